@@ -1,0 +1,128 @@
+/* kpr: the kernel/user ABI. The one place that defines the map layouts.
+ *
+ * kpr/datapath/abi.py mirrors these structs with ctypes; change both in the
+ * same commit (tests/test_abi.py compares them with what BCC compiles).
+ *
+ * Set by the loader through cflags:
+ *   KPR_PIN_DIR        bpffs directory the maps are pinned in ("/sys/fs/bpf/kpr")
+ *   KPR_SERVICE_MAX    entries of each service map (masters + slots)
+ *   KPR_BACKEND_MAX    entries of each backend map
+ *   KPR_REVNAT_MAX     entries of each service-id -> frontend map
+ *   KPR_SOCK_REVNAT_MAX  entries of each per-socket reverse map (LRU)
+ */
+#ifndef KPR_H
+#define KPR_H
+
+#include <uapi/linux/bpf.h>
+
+/* Pinned map names start with this; a changed layout gets a new version. */
+#define KPR_ABI_VERSION 1
+
+/* Backends one service frontend may have (slots 1..KPR_MAX_SLOTS). */
+#define KPR_MAX_SLOTS 4096
+
+/* Frontend flags (struct kpr_service.flags, master entry). */
+#define KPR_SVC_F_NONE 0
+
+/* Outcome counters: index into the per-CPU stats array. */
+enum kpr_outcome {
+	KPR_STAT_TRANSLATED = 0,    /* connect/sendmsg given a backend */
+	KPR_STAT_NO_BACKEND = 1,    /* service without endpoints: refused */
+	KPR_STAT_BACKEND_MISSING = 2, /* slot or backend entry absent: map error */
+	KPR_STAT_REVERSED = 3,      /* recvmsg/getpeername shown the service address */
+	KPR_STAT_REVNAT_FULL = 4,   /* per-socket reverse entry could not be written */
+	KPR_STAT_MAX = 8,
+};
+
+struct kpr_service4_key {
+	__be32 address;   /* ClusterIP, network order */
+	__be16 port;      /* network order */
+	__u8 protocol;    /* IPPROTO_TCP / IPPROTO_UDP */
+	__u8 pad;
+	__u16 slot;       /* 0: master entry, 1..count: backend slots */
+	__u16 pad2;
+};
+
+struct kpr_service6_key {
+	__u8 address[16];
+	__be16 port;
+	__u8 protocol;
+	__u8 pad;
+	__u16 slot;
+	__u16 pad2;
+};
+
+/* Master entry (slot 0): count, service_id, flags. Slot entry: backend_id. */
+struct kpr_service {
+	__u32 backend_id;
+	__u32 count;
+	__u32 service_id;
+	__u32 flags;
+	__u32 affinity_timeout; /* seconds; 0: no session affinity */
+	__u32 pad;
+};
+
+struct kpr_backend4 {
+	__be32 address;
+	__be16 port;
+	__u16 pad;
+};
+
+struct kpr_backend6 {
+	__u8 address[16];
+	__be16 port;
+	__u16 pad;
+};
+
+/* service_id -> the frontend it serves (reply path, status). */
+struct kpr_revnat4 {
+	__be32 address;
+	__be16 port;
+	__u16 pad;
+};
+
+struct kpr_revnat6 {
+	__u8 address[16];
+	__be16 port;
+	__u16 pad;
+};
+
+/* Per-socket reverse entry: which service address a socket sent to, so
+ * recvmsg and getpeername show it instead of the backend. */
+struct kpr_sock_revnat4_key {
+	__u64 cookie;     /* socket cookie */
+	__be32 address;   /* backend */
+	__be16 port;
+	__u16 pad;
+};
+
+struct kpr_sock_revnat6_key {
+	__u64 cookie;
+	__u8 address[16];
+	__be16 port;
+	__u16 pad;
+	__u32 pad2;
+};
+
+#define KPR_PIN(name) KPR_PIN_DIR "/v1_" name
+
+BPF_TABLE_PINNED("hash", struct kpr_service4_key, struct kpr_service, kpr_services4,
+		 KPR_SERVICE_MAX, KPR_PIN("services4"), BPF_F_NO_PREALLOC);
+BPF_TABLE_PINNED("hash", struct kpr_service6_key, struct kpr_service, kpr_services6,
+		 KPR_SERVICE_MAX, KPR_PIN("services6"), BPF_F_NO_PREALLOC);
+BPF_TABLE_PINNED("hash", __u32, struct kpr_backend4, kpr_backends4,
+		 KPR_BACKEND_MAX, KPR_PIN("backends4"), BPF_F_NO_PREALLOC);
+BPF_TABLE_PINNED("hash", __u32, struct kpr_backend6, kpr_backends6,
+		 KPR_BACKEND_MAX, KPR_PIN("backends6"), BPF_F_NO_PREALLOC);
+BPF_TABLE_PINNED("hash", __u32, struct kpr_revnat4, kpr_revnat4,
+		 KPR_REVNAT_MAX, KPR_PIN("revnat4"), BPF_F_NO_PREALLOC);
+BPF_TABLE_PINNED("hash", __u32, struct kpr_revnat6, kpr_revnat6,
+		 KPR_REVNAT_MAX, KPR_PIN("revnat6"), BPF_F_NO_PREALLOC);
+BPF_TABLE_PINNED("lru_hash", struct kpr_sock_revnat4_key, struct kpr_revnat4,
+		 kpr_sock_revnat4, KPR_SOCK_REVNAT_MAX, KPR_PIN("sock_revnat4"));
+BPF_TABLE_PINNED("lru_hash", struct kpr_sock_revnat6_key, struct kpr_revnat6,
+		 kpr_sock_revnat6, KPR_SOCK_REVNAT_MAX, KPR_PIN("sock_revnat6"));
+BPF_TABLE_PINNED("percpu_array", __u32, __u64, kpr_stats, KPR_STAT_MAX,
+		 KPR_PIN("stats"));
+
+#endif /* KPR_H */

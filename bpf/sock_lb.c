@@ -1,0 +1,250 @@
+/* kpr socket load balancing: cgroup sock_addr hooks.
+ *
+ * A socket connecting (or sending, for unconnected UDP) to a Service's
+ * ClusterIP:port is given a backend's address:port before the kernel routes
+ * anything: no DNAT, no conntrack entry, no per-packet cost. recvmsg and
+ * getpeername translate the backend back to the service address the
+ * application used.
+ */
+#include "kpr.h"
+#include <linux/in.h>
+
+#define KPR_ECONNREFUSED 111
+#define KPR_EHOSTUNREACH 113
+
+enum kpr_pick {
+	KPR_PICK_NONE,       /* not a service: leave the socket alone */
+	KPR_PICK_BACKEND,    /* backend found */
+	KPR_PICK_REFUSE,     /* service without endpoints */
+	KPR_PICK_MAP_ERROR,  /* master counts a slot or backend that is absent */
+};
+
+static __always_inline void stat_inc(__u32 outcome)
+{
+	__u64 *counter = kpr_stats.lookup(&outcome);
+
+	if (counter)
+		*counter += 1; /* per-CPU: no atomic needed */
+}
+
+/* TCP and connected UDP: uniform random. Unconnected UDP: by socket cookie,
+ * so one socket's datagrams keep going to one backend. */
+static __always_inline __u32 pick_slot(__u32 count, __u64 cookie, bool by_cookie)
+{
+	__u32 n = by_cookie ? (__u32)(cookie ^ (cookie >> 32)) : bpf_get_prandom_u32();
+
+	return n % count + 1;
+}
+
+static __always_inline int verdict(struct bpf_sock_addr *ctx, int pick)
+{
+	if (pick == KPR_PICK_REFUSE) {
+		stat_inc(KPR_STAT_NO_BACKEND);
+		bpf_set_retval(-KPR_ECONNREFUSED); /* what kube-proxy's REJECT gives */
+		return 0;
+	}
+	if (pick == KPR_PICK_MAP_ERROR) {
+		stat_inc(KPR_STAT_BACKEND_MISSING);
+		bpf_set_retval(-KPR_EHOSTUNREACH);
+		return 0;
+	}
+	if (pick == KPR_PICK_BACKEND)
+		stat_inc(KPR_STAT_TRANSLATED);
+	return 1;
+}
+
+/* The one place an IPv4 service address becomes a backend. */
+static __always_inline int pick_backend4(struct bpf_sock_addr *ctx, __be32 *address,
+					 __u32 *port, bool by_cookie)
+{
+	struct kpr_service4_key key = {};
+	struct kpr_service *master, *slot;
+	struct kpr_backend4 *backend;
+	__u32 backend_id;
+	__u64 cookie;
+
+	key.address = *address;
+	key.port = (__be16)*port;
+	key.protocol = ctx->protocol;
+	master = kpr_services4.lookup(&key);
+	if (!master)
+		return KPR_PICK_NONE;
+	if (master->count == 0)
+		return KPR_PICK_REFUSE;
+
+	cookie = bpf_get_socket_cookie(ctx);
+	key.slot = pick_slot(master->count, cookie, by_cookie);
+	slot = kpr_services4.lookup(&key);
+	if (!slot)
+		return KPR_PICK_MAP_ERROR;
+	backend_id = slot->backend_id;
+	backend = kpr_backends4.lookup(&backend_id);
+	if (!backend)
+		return KPR_PICK_MAP_ERROR;
+
+	struct kpr_sock_revnat4_key rkey = {
+		.cookie = cookie, .address = backend->address, .port = backend->port,
+	};
+	struct kpr_revnat4 rval = { .address = key.address, .port = key.port };
+	if (kpr_sock_revnat4.update(&rkey, &rval))
+		stat_inc(KPR_STAT_REVNAT_FULL);
+
+	*address = backend->address;
+	*port = backend->port;
+	return KPR_PICK_BACKEND;
+}
+
+/* Backend -> service address, for replies and getpeername. */
+static __always_inline void reverse4(struct bpf_sock_addr *ctx, __be32 *address, __u32 *port)
+{
+	struct kpr_sock_revnat4_key rkey = {};
+	struct kpr_revnat4 *rval;
+
+	rkey.cookie = bpf_get_socket_cookie(ctx);
+	rkey.address = *address;
+	rkey.port = (__be16)*port;
+	rval = kpr_sock_revnat4.lookup(&rkey);
+	if (!rval)
+		return;
+	*address = rval->address;
+	*port = rval->port;
+	stat_inc(KPR_STAT_REVERSED);
+}
+
+static __always_inline int pick_backend6(struct bpf_sock_addr *ctx, __u32 address[4],
+					 __u32 *port, bool by_cookie)
+{
+	struct kpr_service6_key key = {};
+	struct kpr_service *master, *slot;
+	struct kpr_backend6 *backend;
+	__u32 backend_id;
+	__u64 cookie;
+
+	__builtin_memcpy(key.address, address, 16);
+	key.port = (__be16)*port;
+	key.protocol = ctx->protocol;
+	master = kpr_services6.lookup(&key);
+	if (!master)
+		return KPR_PICK_NONE;
+	if (master->count == 0)
+		return KPR_PICK_REFUSE;
+
+	cookie = bpf_get_socket_cookie(ctx);
+	key.slot = pick_slot(master->count, cookie, by_cookie);
+	slot = kpr_services6.lookup(&key);
+	if (!slot)
+		return KPR_PICK_MAP_ERROR;
+	backend_id = slot->backend_id;
+	backend = kpr_backends6.lookup(&backend_id);
+	if (!backend)
+		return KPR_PICK_MAP_ERROR;
+
+	struct kpr_sock_revnat6_key rkey = { .cookie = cookie, .port = backend->port };
+	struct kpr_revnat6 rval = { .port = key.port };
+	__builtin_memcpy(rkey.address, backend->address, 16);
+	__builtin_memcpy(rval.address, key.address, 16);
+	if (kpr_sock_revnat6.update(&rkey, &rval))
+		stat_inc(KPR_STAT_REVNAT_FULL);
+
+	__builtin_memcpy(address, backend->address, 16);
+	*port = backend->port;
+	return KPR_PICK_BACKEND;
+}
+
+static __always_inline void reverse6(struct bpf_sock_addr *ctx, __u32 address[4], __u32 *port)
+{
+	struct kpr_sock_revnat6_key rkey = {};
+	struct kpr_revnat6 *rval;
+
+	rkey.cookie = bpf_get_socket_cookie(ctx);
+	__builtin_memcpy(rkey.address, address, 16);
+	rkey.port = (__be16)*port;
+	rval = kpr_sock_revnat6.lookup(&rkey);
+	if (!rval)
+		return;
+	__builtin_memcpy(address, rval->address, 16);
+	*port = rval->port;
+	stat_inc(KPR_STAT_REVERSED);
+}
+
+/* An IPv6 socket may reach an IPv4 service through ::ffff:a.b.c.d. */
+static __always_inline bool v4_mapped(const __u32 address[4])
+{
+	return address[0] == 0 && address[1] == 0 && address[2] == bpf_htonl(0xffff);
+}
+
+/* sock_addr fields must be read and written as whole 32-bit words, so the
+ * hooks copy them to the stack, work there, and store back. */
+static __always_inline int lb4(struct bpf_sock_addr *ctx, bool by_cookie)
+{
+	__be32 address = ctx->user_ip4;
+	__u32 port = ctx->user_port;
+	int pick = pick_backend4(ctx, &address, &port, by_cookie);
+
+	if (pick == KPR_PICK_BACKEND) {
+		ctx->user_ip4 = address;
+		ctx->user_port = port;
+	}
+	return verdict(ctx, pick);
+}
+
+static __always_inline int lb6(struct bpf_sock_addr *ctx, bool by_cookie)
+{
+	__u32 address[4] = {
+		ctx->user_ip6[0], ctx->user_ip6[1], ctx->user_ip6[2], ctx->user_ip6[3],
+	};
+	__u32 port = ctx->user_port;
+	int pick;
+
+	if (v4_mapped(address))
+		pick = pick_backend4(ctx, &address[3], &port, by_cookie);
+	else
+		pick = pick_backend6(ctx, address, &port, by_cookie);
+	if (pick == KPR_PICK_BACKEND) {
+		ctx->user_ip6[0] = address[0];
+		ctx->user_ip6[1] = address[1];
+		ctx->user_ip6[2] = address[2];
+		ctx->user_ip6[3] = address[3];
+		ctx->user_port = port;
+	}
+	return verdict(ctx, pick);
+}
+
+static __always_inline int reverse_hook4(struct bpf_sock_addr *ctx)
+{
+	__be32 address = ctx->user_ip4;
+	__u32 port = ctx->user_port;
+
+	reverse4(ctx, &address, &port);
+	ctx->user_ip4 = address;
+	ctx->user_port = port;
+	return 1;
+}
+
+static __always_inline int reverse_hook6(struct bpf_sock_addr *ctx)
+{
+	__u32 address[4] = {
+		ctx->user_ip6[0], ctx->user_ip6[1], ctx->user_ip6[2], ctx->user_ip6[3],
+	};
+	__u32 port = ctx->user_port;
+
+	if (v4_mapped(address))
+		reverse4(ctx, &address[3], &port);
+	else
+		reverse6(ctx, address, &port);
+	ctx->user_ip6[0] = address[0];
+	ctx->user_ip6[1] = address[1];
+	ctx->user_ip6[2] = address[2];
+	ctx->user_ip6[3] = address[3];
+	ctx->user_port = port;
+	return 1;
+}
+
+int kpr_connect4(struct bpf_sock_addr *ctx) { return lb4(ctx, false); }
+int kpr_connect6(struct bpf_sock_addr *ctx) { return lb6(ctx, false); }
+int kpr_sendmsg4(struct bpf_sock_addr *ctx) { return lb4(ctx, true); }
+int kpr_sendmsg6(struct bpf_sock_addr *ctx) { return lb6(ctx, true); }
+int kpr_recvmsg4(struct bpf_sock_addr *ctx) { return reverse_hook4(ctx); }
+int kpr_recvmsg6(struct bpf_sock_addr *ctx) { return reverse_hook6(ctx); }
+int kpr_getpeername4(struct bpf_sock_addr *ctx) { return reverse_hook4(ctx); }
+int kpr_getpeername6(struct bpf_sock_addr *ctx) { return reverse_hook6(ctx); }

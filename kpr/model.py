@@ -1,0 +1,170 @@
+"""The vocabulary shared by the control plane and the datapath.
+
+Kubernetes objects arrive as API-shaped dicts and are validated into the
+frozen dataclasses below (kpr/objects.py); translation (kpr/translate.py)
+turns them into the desired state: which frontends exist and which backends
+serve each. The datapath (kpr/datapath/) makes the BPF maps equal to it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from ipaddress import IPv4Address, IPv6Address
+
+IPAddress = IPv4Address | IPv6Address
+
+PROTOCOLS = ("TCP", "UDP")
+
+
+@dataclass(frozen=True, order=True)
+class ObjectRef:
+    """Which object something is about, for error messages and status."""
+
+    kind: str
+    namespace: str
+    name: str
+
+    def __str__(self) -> str:
+        return f"{self.kind} {self.namespace}/{self.name}"
+
+
+# --- Kubernetes objects, validated -------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ServicePort:
+    name: str  # "" when the Service has a single unnamed port
+    protocol: str  # "TCP" | "UDP" | "SCTP"
+    port: int
+    node_port: int | None = None
+
+
+@dataclass(frozen=True)
+class Service:
+    namespace: str
+    name: str
+    type: str = "ClusterIP"  # ClusterIP | NodePort | LoadBalancer | ExternalName
+    cluster_ips: tuple[IPAddress, ...] = ()  # empty: headless
+    ports: tuple[ServicePort, ...] = ()
+    labels: Mapping[str, str] = field(default_factory=dict)
+    external_ips: tuple[IPAddress, ...] = ()
+    session_affinity: str = "None"  # None | ClientIP
+    affinity_timeout: int = 10800
+    internal_traffic_policy: str = "Cluster"
+    external_traffic_policy: str = "Cluster"
+
+    @property
+    def ref(self) -> ObjectRef:
+        return ObjectRef("Service", self.namespace, self.name)
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    addresses: tuple[IPAddress, ...]
+    ready: bool = True
+    serving: bool = True
+    terminating: bool = False
+    node_name: str | None = None
+    zone: str | None = None
+    hints_for_nodes: tuple[str, ...] | None = None
+    hints_for_zones: tuple[str, ...] | None = None
+
+
+@dataclass(frozen=True)
+class EndpointPort:
+    name: str  # "" when unnamed
+    protocol: str
+    port: int | None  # None: unset (the slice carries no port)
+
+
+@dataclass(frozen=True)
+class EndpointSlice:
+    namespace: str
+    name: str
+    service_name: str | None  # label kubernetes.io/service-name; None: not owned
+    address_type: str  # IPv4 | IPv6 | FQDN
+    ports: tuple[EndpointPort, ...] = ()
+    endpoints: tuple[Endpoint, ...] = ()
+    labels: Mapping[str, str] = field(default_factory=dict)
+
+    @property
+    def ref(self) -> ObjectRef:
+        return ObjectRef("EndpointSlice", self.namespace, self.name)
+
+
+@dataclass(frozen=True)
+class NodeContext:
+    """What translation needs to know about the node kpr runs on."""
+
+    name: str | None = None
+    zone: str | None = None
+    proxy_name: str = "kpr"  # Services labelled service-proxy-name=<this> are ours too
+
+
+# --- Desired datapath state ----------------------------------------------------------
+
+
+@dataclass(frozen=True, order=True)
+class Frontend:
+    """One address:port/protocol the datapath answers for."""
+
+    address: IPAddress
+    port: int
+    protocol: str  # "TCP" | "UDP"
+
+    @property
+    def family(self) -> int:
+        return self.address.version
+
+    def __str__(self) -> str:
+        host = f"[{self.address}]" if self.address.version == 6 else str(self.address)
+        return f"{host}:{self.port}/{self.protocol}"
+
+
+@dataclass(frozen=True, order=True)
+class Backend:
+    address: IPAddress
+    port: int
+
+    def __str__(self) -> str:
+        host = f"[{self.address}]" if self.address.version == 6 else str(self.address)
+        return f"{host}:{self.port}"
+
+
+@dataclass(frozen=True)
+class FrontendState:
+    """What one frontend should do: which Service port it is, which backends serve."""
+
+    service: str  # "namespace/name:portname", for status and errors
+    backends: tuple[Backend, ...]  # sorted, unique; empty: refuse connections
+    affinity_timeout: int = 0  # seconds; 0: no session affinity
+
+
+@dataclass(frozen=True)
+class Problem:
+    """Bad input, reported with the object and field it is about."""
+
+    message: str
+    ref: ObjectRef | None = None
+    field: str | None = None
+    source: str | None = None  # a file, for the manifest source
+
+    def __str__(self) -> str:
+        parts = [p for p in (self.source, str(self.ref) if self.ref else None) if p]
+        where = ": ".join(parts)
+        what = f"{self.field}: {self.message}" if self.field else self.message
+        return f"{where}: {what}" if where else what
+
+
+@dataclass
+class Translation:
+    """The output of translation: the whole desired state of the datapath.
+
+    `held` frontends could not be computed from the input (an error in their
+    Service or slices); the datapath leaves whatever it has programmed for them.
+    """
+
+    frontends: dict[Frontend, FrontendState] = field(default_factory=dict)
+    held: set[Frontend] = field(default_factory=set)
+    problems: list[Problem] = field(default_factory=list)
