@@ -16,6 +16,9 @@ IPAddress = IPv4Address | IPv6Address
 
 PROTOCOLS = ("TCP", "UDP")
 
+# Backends one frontend may have; mirrors KPR_MAX_SLOTS in bpf/kpr.h (change both together).
+MAX_SLOTS = 4096
+
 
 @dataclass(frozen=True, order=True)
 class ObjectRef:
