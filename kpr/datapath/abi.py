@@ -1,0 +1,200 @@
+"""The Python mirror of bpf/kpr.h: struct layouts, map names, constants.
+
+bpf/kpr.h is the source of truth; tests/test_abi.py checks these ctypes
+layouts against the types BCC compiles from it. Change both together.
+"""
+
+from __future__ import annotations
+
+import ctypes as ct
+import socket
+from dataclasses import dataclass
+from pathlib import Path
+
+ABI_VERSION = 1
+MAX_SLOTS = 4096  # KPR_MAX_SLOTS
+
+BPF_DIR = Path(__file__).resolve().parents[2] / "bpf"
+
+PROTOCOL_NUMBERS = {"TCP": socket.IPPROTO_TCP, "UDP": socket.IPPROTO_UDP}
+PROTOCOL_NAMES = {v: k for k, v in PROTOCOL_NUMBERS.items()}
+
+# enum kpr_outcome
+STAT_NAMES = {
+    0: "translated",
+    1: "no_backend",
+    2: "backend_missing",
+    3: "reversed",
+    4: "revnat_full",
+}
+STAT_MAX = 8
+
+
+class Service4Key(ct.Structure):
+    _fields_ = [
+        ("address", ct.c_uint32),  # network order bytes
+        ("port", ct.c_uint16),  # network order bytes
+        ("protocol", ct.c_uint8),
+        ("pad", ct.c_uint8),
+        ("slot", ct.c_uint16),
+        ("pad2", ct.c_uint16),
+    ]
+
+
+class Service6Key(ct.Structure):
+    _fields_ = [
+        ("address", ct.c_uint8 * 16),
+        ("port", ct.c_uint16),
+        ("protocol", ct.c_uint8),
+        ("pad", ct.c_uint8),
+        ("slot", ct.c_uint16),
+        ("pad2", ct.c_uint16),
+    ]
+
+
+class ServiceValue(ct.Structure):
+    _fields_ = [
+        ("backend_id", ct.c_uint32),
+        ("count", ct.c_uint32),
+        ("service_id", ct.c_uint32),
+        ("flags", ct.c_uint32),
+        ("affinity_timeout", ct.c_uint32),
+        ("pad", ct.c_uint32),
+    ]
+
+
+class Backend4(ct.Structure):
+    _fields_ = [("address", ct.c_uint32), ("port", ct.c_uint16), ("pad", ct.c_uint16)]
+
+
+class Backend6(ct.Structure):
+    _fields_ = [("address", ct.c_uint8 * 16), ("port", ct.c_uint16), ("pad", ct.c_uint16)]
+
+
+# struct kpr_revnat4/6 share the backend layouts: an address and a port.
+RevNat4 = Backend4
+RevNat6 = Backend6
+
+
+class SockRevNat4Key(ct.Structure):
+    _fields_ = [
+        ("cookie", ct.c_uint64),
+        ("address", ct.c_uint32),
+        ("port", ct.c_uint16),
+        ("pad", ct.c_uint16),
+    ]
+
+
+class SockRevNat6Key(ct.Structure):
+    _fields_ = [
+        ("cookie", ct.c_uint64),
+        ("address", ct.c_uint8 * 16),
+        ("port", ct.c_uint16),
+        ("pad", ct.c_uint16),
+        ("pad2", ct.c_uint32),
+    ]
+
+
+@dataclass(frozen=True)
+class MapSpec:
+    """A pinned map: its name in C, its pin name, and the sizes kpr expects."""
+
+    name: str  # the C name in kpr.h
+    pin: str  # file name under the pin directory
+    map_type: int  # BPF_MAP_TYPE_*
+    key: type[ct.Structure] | type[ct._SimpleCData]
+    value: type[ct.Structure] | type[ct._SimpleCData]
+    size_define: str | None  # -D that sets max_entries; None: fixed
+
+    @property
+    def key_size(self) -> int:
+        return ct.sizeof(self.key)
+
+    @property
+    def value_size(self) -> int:
+        return ct.sizeof(self.value)
+
+
+BPF_MAP_TYPE_HASH = 1
+BPF_MAP_TYPE_PERCPU_ARRAY = 6
+BPF_MAP_TYPE_LRU_HASH = 9
+
+
+def _spec(name: str, map_type: int, key, value, size_define: str | None) -> MapSpec:
+    short = name.removeprefix("kpr_")
+    return MapSpec(name, f"v{ABI_VERSION}_{short}", map_type, key, value, size_define)
+
+
+MAPS: dict[str, MapSpec] = {
+    s.name: s
+    for s in (
+        _spec("kpr_services4", BPF_MAP_TYPE_HASH, Service4Key, ServiceValue, "KPR_SERVICE_MAX"),
+        _spec("kpr_services6", BPF_MAP_TYPE_HASH, Service6Key, ServiceValue, "KPR_SERVICE_MAX"),
+        _spec("kpr_backends4", BPF_MAP_TYPE_HASH, ct.c_uint32, Backend4, "KPR_BACKEND_MAX"),
+        _spec("kpr_backends6", BPF_MAP_TYPE_HASH, ct.c_uint32, Backend6, "KPR_BACKEND_MAX"),
+        _spec("kpr_revnat4", BPF_MAP_TYPE_HASH, ct.c_uint32, RevNat4, "KPR_REVNAT_MAX"),
+        _spec("kpr_revnat6", BPF_MAP_TYPE_HASH, ct.c_uint32, RevNat6, "KPR_REVNAT_MAX"),
+        _spec(
+            "kpr_sock_revnat4",
+            BPF_MAP_TYPE_LRU_HASH,
+            SockRevNat4Key,
+            RevNat4,
+            "KPR_SOCK_REVNAT_MAX",
+        ),
+        _spec(
+            "kpr_sock_revnat6",
+            BPF_MAP_TYPE_LRU_HASH,
+            SockRevNat6Key,
+            RevNat6,
+            "KPR_SOCK_REVNAT_MAX",
+        ),
+        _spec("kpr_stats", BPF_MAP_TYPE_PERCPU_ARRAY, ct.c_uint32, ct.c_uint64, None),
+    )
+}
+
+
+@dataclass(frozen=True)
+class MapSizes:
+    """max_entries of the maps; configurable, fixed once the maps are pinned."""
+
+    services: int = 524288  # masters + slots: 30,000 services x 10 endpoints fit
+    backends: int = 262144
+    revnat: int = 65536
+    sock_revnat: int = 65536  # LRU: preallocated, so kept modest
+
+    def max_entries(self, spec: MapSpec) -> int:
+        return {
+            "KPR_SERVICE_MAX": self.services,
+            "KPR_BACKEND_MAX": self.backends,
+            "KPR_REVNAT_MAX": self.revnat,
+            "KPR_SOCK_REVNAT_MAX": self.sock_revnat,
+            None: STAT_MAX,
+        }[spec.size_define]
+
+    def cflags(self) -> list[str]:
+        return [
+            f"-DKPR_SERVICE_MAX={self.services}",
+            f"-DKPR_BACKEND_MAX={self.backends}",
+            f"-DKPR_REVNAT_MAX={self.revnat}",
+            f"-DKPR_SOCK_REVNAT_MAX={self.sock_revnat}",
+        ]
+
+
+# --- byte order: the structs hold network-order bytes in host-order integers --------
+
+
+def be32(packed: bytes) -> int:
+    """An IPv4 address's 4 bytes as the u32 whose memory holds them in order."""
+    return int.from_bytes(packed, "little")
+
+
+def be32_bytes(value: int) -> bytes:
+    return value.to_bytes(4, "little")
+
+
+def htons(port: int) -> int:
+    return socket.htons(port)
+
+
+def ntohs(port: int) -> int:
+    return socket.ntohs(port)

@@ -1,0 +1,256 @@
+"""The bpf(2) operations kpr needs on pinned objects, through libbpf.
+
+BCC compiles and loads the programs, but its table objects only exist inside
+a compiled module. `kpr status` and `kpr cleanup` must work on the pinned
+maps and programs without compiling anything, so map and attachment
+operations go through libbpf's thin syscall wrappers here.
+"""
+
+from __future__ import annotations
+
+import ctypes as ct
+import errno
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+_libbpf = ct.CDLL("libbpf.so.1", use_errno=True)
+
+_libbpf.bpf_obj_get.argtypes = [ct.c_char_p]
+_libbpf.bpf_obj_pin.argtypes = [ct.c_int, ct.c_char_p]
+_libbpf.bpf_obj_get_info_by_fd.argtypes = [ct.c_int, ct.c_void_p, ct.POINTER(ct.c_uint32)]
+_libbpf.bpf_map_lookup_elem.argtypes = [ct.c_int, ct.c_void_p, ct.c_void_p]
+_libbpf.bpf_map_update_elem.argtypes = [ct.c_int, ct.c_void_p, ct.c_void_p, ct.c_uint64]
+_libbpf.bpf_map_delete_elem.argtypes = [ct.c_int, ct.c_void_p]
+_libbpf.bpf_map_get_next_key.argtypes = [ct.c_int, ct.c_void_p, ct.c_void_p]
+_libbpf.bpf_map_update_batch.argtypes = [
+    ct.c_int,
+    ct.c_void_p,
+    ct.c_void_p,
+    ct.POINTER(ct.c_uint32),
+    ct.c_void_p,
+]
+_libbpf.bpf_map_delete_batch.argtypes = [
+    ct.c_int,
+    ct.c_void_p,
+    ct.POINTER(ct.c_uint32),
+    ct.c_void_p,
+]
+_libbpf.bpf_prog_attach.argtypes = [ct.c_int, ct.c_int, ct.c_int, ct.c_uint]
+_libbpf.bpf_prog_detach2.argtypes = [ct.c_int, ct.c_int, ct.c_int]
+_libbpf.bpf_prog_get_fd_by_id.argtypes = [ct.c_uint32]
+_libbpf.bpf_prog_query.argtypes = [
+    ct.c_int,
+    ct.c_int,
+    ct.c_uint32,
+    ct.POINTER(ct.c_uint32),
+    ct.POINTER(ct.c_uint32),
+    ct.POINTER(ct.c_uint32),
+]
+_libbpf.libbpf_num_possible_cpus.argtypes = []
+
+BPF_ANY = 0
+BPF_F_ALLOW_MULTI = 2
+
+
+class BpfError(OSError):
+    pass
+
+
+def _check(ret: int, what: str) -> int:
+    """libbpf returns -errno (and sets errno); raise an OSError naming the call."""
+    if ret < 0:
+        code = -ret if ret != -1 else ct.get_errno()
+        raise BpfError(code, f"{what}: {os.strerror(code)}")
+    return ret
+
+
+def obj_get(path: Path) -> int:
+    return _check(_libbpf.bpf_obj_get(str(path).encode()), f"open pinned {path}")
+
+
+def obj_pin(fd: int, path: Path) -> None:
+    _check(_libbpf.bpf_obj_pin(fd, str(path).encode()), f"pin {path}")
+
+
+def num_possible_cpus() -> int:
+    return _check(_libbpf.libbpf_num_possible_cpus(), "count possible CPUs")
+
+
+class _MapInfo(ct.Structure):
+    _fields_ = [
+        ("type", ct.c_uint32),
+        ("id", ct.c_uint32),
+        ("key_size", ct.c_uint32),
+        ("value_size", ct.c_uint32),
+        ("max_entries", ct.c_uint32),
+        ("map_flags", ct.c_uint32),
+        ("name", ct.c_char * 16),
+        ("rest", ct.c_uint8 * 64),
+    ]
+
+
+class _ProgInfo(ct.Structure):
+    _fields_ = [
+        ("type", ct.c_uint32),
+        ("id", ct.c_uint32),
+        ("tag", ct.c_uint8 * 8),
+        ("jited_prog_len", ct.c_uint32),
+        ("xlated_prog_len", ct.c_uint32),
+        ("jited_prog_insns", ct.c_uint64),
+        ("xlated_prog_insns", ct.c_uint64),
+        ("load_time", ct.c_uint64),
+        ("created_by_uid", ct.c_uint32),
+        ("nr_map_ids", ct.c_uint32),
+        ("map_ids", ct.c_uint64),
+        ("name", ct.c_char * 16),
+        ("rest", ct.c_uint8 * 160),
+    ]
+
+
+@dataclass(frozen=True)
+class MapInfo:
+    map_type: int
+    id: int
+    key_size: int
+    value_size: int
+    max_entries: int
+    name: str
+
+
+@dataclass(frozen=True)
+class ProgInfo:
+    id: int
+    name: str
+
+
+def map_info(fd: int) -> MapInfo:
+    info = _MapInfo()
+    size = ct.c_uint32(ct.sizeof(info))
+    _check(_libbpf.bpf_obj_get_info_by_fd(fd, ct.byref(info), ct.byref(size)), "map info")
+    return MapInfo(
+        info.type, info.id, info.key_size, info.value_size, info.max_entries, info.name.decode()
+    )
+
+
+def prog_info(fd: int) -> ProgInfo:
+    info = _ProgInfo()
+    size = ct.c_uint32(ct.sizeof(info))
+    _check(_libbpf.bpf_obj_get_info_by_fd(fd, ct.byref(info), ct.byref(size)), "program info")
+    return ProgInfo(info.id, info.name.decode())
+
+
+def prog_attach(prog_fd: int, cgroup_fd: int, attach_type: int) -> None:
+    # ALLOW_MULTI: coexist with other tools' programs, and let a restarted agent
+    # attach its new programs before detaching the old ones (no gap).
+    _check(
+        _libbpf.bpf_prog_attach(prog_fd, cgroup_fd, attach_type, BPF_F_ALLOW_MULTI),
+        "attach program to cgroup",
+    )
+
+
+def prog_detach(prog_fd: int, cgroup_fd: int, attach_type: int) -> None:
+    _check(_libbpf.bpf_prog_detach2(prog_fd, cgroup_fd, attach_type), "detach program")
+
+
+def prog_query(cgroup_fd: int, attach_type: int) -> list[int]:
+    """Ids of the programs attached to a cgroup at one attach point."""
+    ids = (ct.c_uint32 * 64)()
+    count = ct.c_uint32(64)
+    flags = ct.c_uint32(0)
+    _check(
+        _libbpf.bpf_prog_query(cgroup_fd, attach_type, 0, ct.byref(flags), ids, ct.byref(count)),
+        "query cgroup programs",
+    )
+    return list(ids[: count.value])
+
+
+def prog_fd_by_id(prog_id: int) -> int:
+    return _check(_libbpf.bpf_prog_get_fd_by_id(prog_id), f"open program id {prog_id}")
+
+
+class PinnedMap:
+    """One BPF map opened by fd, with typed keys and values (ctypes)."""
+
+    def __init__(self, fd: int, key_type, value_type, name: str = "") -> None:
+        self.fd = fd
+        self.key_type = key_type
+        self.value_type = value_type
+        self.name = name
+        self.info = map_info(fd)
+
+    @classmethod
+    def open(cls, path: Path, key_type, value_type) -> PinnedMap:
+        return cls(obj_get(path), key_type, value_type, path.name)
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+    def keys(self) -> Iterator:
+        key = self.key_type()
+        prev = None
+        while True:
+            ret = _libbpf.bpf_map_get_next_key(
+                self.fd, None if prev is None else ct.byref(prev), ct.byref(key)
+            )
+            if ret < 0:
+                code = -ret if ret != -1 else ct.get_errno()
+                if code == errno.ENOENT:
+                    return
+                _check(ret, f"iterate {self.name}")
+            yield key
+            prev, key = key, self.key_type()
+
+    def lookup(self, key):
+        value = self.value_type()
+        ret = _libbpf.bpf_map_lookup_elem(self.fd, ct.byref(key), ct.byref(value))
+        if ret < 0:
+            code = -ret if ret != -1 else ct.get_errno()
+            if code == errno.ENOENT:
+                return None
+            _check(ret, f"look up in {self.name}")
+        return value
+
+    def items(self) -> list[tuple]:
+        """A snapshot of the map. Entries deleted while iterating are skipped."""
+        out = []
+        for key in self.keys():
+            value = self.lookup(key)
+            if value is not None:
+                out.append((key, value))
+        return out
+
+    def update(self, key, value) -> None:
+        _check(
+            _libbpf.bpf_map_update_elem(self.fd, ct.byref(key), ct.byref(value), BPF_ANY),
+            f"write to {self.name}",
+        )
+
+    def delete(self, key) -> None:
+        ret = _libbpf.bpf_map_delete_elem(self.fd, ct.byref(key))
+        if ret < 0:
+            code = -ret if ret != -1 else ct.get_errno()
+            if code != errno.ENOENT:
+                _check(ret, f"delete from {self.name}")
+
+    def update_batch(self, keys, values) -> None:
+        """One syscall for many entries. On error some may have been written."""
+        count = ct.c_uint32(len(keys))
+        if not len(keys):
+            return
+        _check(
+            _libbpf.bpf_map_update_batch(self.fd, keys, values, ct.byref(count), None),
+            f"write {len(keys)} entries to {self.name}",
+        )
+
+    def delete_batch(self, keys) -> None:
+        count = ct.c_uint32(len(keys))
+        if not len(keys):
+            return
+        _check(
+            _libbpf.bpf_map_delete_batch(self.fd, keys, ct.byref(count), None),
+            f"delete {len(keys)} entries from {self.name}",
+        )

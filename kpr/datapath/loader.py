@@ -1,0 +1,182 @@
+"""Compile bpf/sock_lb.c with BCC, pin its maps and programs, attach it to a cgroup.
+
+Attachments use PROG_ATTACH with ALLOW_MULTI, so they outlive the agent
+(services keep working while it is down). A restarted agent attaches its new
+programs first and then detaches the old ones: there is never a moment with
+no program on a hook.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from kpr import host
+from kpr.datapath import abi, bpfsys
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Hook:
+    function: str  # in bpf/sock_lb.c
+    attach_type: int  # enum bpf_attach_type
+    pin: str
+
+    @property
+    def kernel_name(self) -> str:
+        return self.function[:15]  # BPF_OBJ_NAME_LEN - 1
+
+
+HOOKS = [
+    Hook("kpr_connect4", 10, "connect4"),
+    Hook("kpr_connect6", 11, "connect6"),
+    Hook("kpr_sendmsg4", 14, "sendmsg4"),
+    Hook("kpr_sendmsg6", 15, "sendmsg6"),
+    Hook("kpr_recvmsg4", 19, "recvmsg4"),
+    Hook("kpr_recvmsg6", 20, "recvmsg6"),
+    Hook("kpr_getpeername4", 29, "getpeername4"),
+    Hook("kpr_getpeername6", 30, "getpeername6"),
+]
+BPF_PROG_TYPE_CGROUP_SOCK_ADDR = 18
+
+
+def prog_pin(pin_dir: Path, hook: Hook) -> Path:
+    return pin_dir / f"v{abi.ABI_VERSION}_prog_{hook.pin}"
+
+
+def check_pinned_maps(pin_dir: Path, sizes: abi.MapSizes) -> None:
+    """BCC reuses a pinned map without looking at it: refuse one whose layout or
+    size differs from what this build expects, rather than corrupt it."""
+    for spec in abi.MAPS.values():
+        path = pin_dir / spec.pin
+        if not path.exists():
+            continue
+        fd = bpfsys.obj_get(path)
+        try:
+            info = bpfsys.map_info(fd)
+        finally:
+            os.close(fd)
+        want = (spec.map_type, spec.key_size, spec.value_size, sizes.max_entries(spec))
+        have = (info.map_type, info.key_size, info.value_size, info.max_entries)
+        if spec.map_type == abi.BPF_MAP_TYPE_PERCPU_ARRAY:
+            want, have = want[:3], have[:3]
+        if want != have:
+            raise host.SetupError(
+                f"The pinned map {path} has (type, key size, value size, max entries) {have}, "
+                f"this kpr expects {want}. It was made by another kpr version or with other map "
+                f"sizes. Start kpr with the sizes it was made with, or run `kpr cleanup` "
+                f"(services stop being load-balanced until kpr runs again)."
+            )
+
+
+def compile_and_pin(pin_dir: Path, sizes: abi.MapSizes):
+    """Compile the socket LB program; BCC creates (or reuses) the pinned maps."""
+    host.require_kernel_headers()
+    bcc = host.require_bcc()
+    check_pinned_maps(pin_dir, sizes)
+    cflags = [f"-I{abi.BPF_DIR}", f'-DKPR_PIN_DIR="{pin_dir}"', *sizes.cflags()]
+    try:
+        return bcc.BPF(src_file=str(abi.BPF_DIR / "sock_lb.c").encode(), cflags=cflags)
+    except Exception as err:
+        raise host.SetupError(
+            f"BCC could not compile or load {abi.BPF_DIR / 'sock_lb.c'}: {err}. The compiler "
+            f"output above says why; a kernel without cgroup sock_addr hooks (CONFIG_CGROUP_BPF) "
+            f"or with mismatched headers is the usual cause."
+        ) from err
+
+
+def _kpr_programs(cgroup_fd: int, hook: Hook) -> list[tuple[int, int]]:
+    """(id, fd) of the kpr programs attached to a cgroup at a hook."""
+    out = []
+    for prog_id in bpfsys.prog_query(cgroup_fd, hook.attach_type):
+        try:
+            fd = bpfsys.prog_fd_by_id(prog_id)
+        except OSError:
+            continue  # gone meanwhile
+        if bpfsys.prog_info(fd).name == hook.kernel_name:
+            out.append((prog_id, fd))
+        else:
+            os.close(fd)
+    return out
+
+
+def attach(bpf, pin_dir: Path, cgroup: Path) -> None:
+    """Attach every hook to `cgroup`, replacing kpr programs already there, and pin
+    the programs so `kpr cleanup` can detach them later."""
+    cgroup_fd = os.open(cgroup, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        for hook in HOOKS:
+            fn = bpf.load_func(
+                hook.function.encode(), BPF_PROG_TYPE_CGROUP_SOCK_ADDR, attach_type=hook.attach_type
+            )
+            new_id = bpfsys.prog_info(fn.fd).id
+            old = _kpr_programs(cgroup_fd, hook)
+            bpfsys.prog_attach(fn.fd, cgroup_fd, hook.attach_type)
+            for prog_id, fd in old:
+                if prog_id != new_id:
+                    bpfsys.prog_detach(fd, cgroup_fd, hook.attach_type)
+                os.close(fd)
+            pin = prog_pin(pin_dir, hook)
+            pin.unlink(missing_ok=True)
+            bpfsys.obj_pin(fn.fd, pin)
+    finally:
+        os.close(cgroup_fd)
+
+
+def detach(cgroup: Path) -> int:
+    """Detach every kpr program from `cgroup`; returns how many."""
+    try:
+        cgroup_fd = os.open(cgroup, os.O_RDONLY | os.O_DIRECTORY)
+    except FileNotFoundError:
+        return 0
+    count = 0
+    try:
+        for hook in HOOKS:
+            for _, fd in _kpr_programs(cgroup_fd, hook):
+                try:
+                    bpfsys.prog_detach(fd, cgroup_fd, hook.attach_type)
+                    count += 1
+                except OSError as err:
+                    if err.errno != errno.ENOENT:
+                        raise
+                finally:
+                    os.close(fd)
+    finally:
+        os.close(cgroup_fd)
+    return count
+
+
+def attached_hooks(cgroup: Path, pin_dir: Path) -> dict[str, bool]:
+    """For each hook: is the pinned program attached to `cgroup`?"""
+    out = {}
+    try:
+        cgroup_fd = os.open(cgroup, os.O_RDONLY | os.O_DIRECTORY)
+    except OSError:
+        return {hook.pin: False for hook in HOOKS}
+    try:
+        for hook in HOOKS:
+            pin = prog_pin(pin_dir, hook)
+            try:
+                fd = bpfsys.obj_get(pin)
+                pinned_id = bpfsys.prog_info(fd).id
+                os.close(fd)
+            except OSError:
+                out[hook.pin] = False
+                continue
+            out[hook.pin] = pinned_id in bpfsys.prog_query(cgroup_fd, hook.attach_type)
+    finally:
+        os.close(cgroup_fd)
+    return out
+
+
+def unpin_all(pin_dir: Path) -> None:
+    if not pin_dir.is_dir():
+        return
+    for path in pin_dir.iterdir():
+        if path.name.startswith("v"):
+            path.unlink()
+    pin_dir.rmdir()

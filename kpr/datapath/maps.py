@@ -1,0 +1,398 @@
+"""The service, backend and reverse maps: one interface, two implementations.
+
+`BpfMaps` works on the pinned kernel maps; `MemoryMaps` is an in-memory
+stand-in with the same behaviour (including a full map), so the planning and
+ordering logic is tested without root. `execute` writes a Plan in order.
+"""
+
+from __future__ import annotations
+
+import ctypes as ct
+import logging
+from dataclasses import dataclass, field
+from ipaddress import IPv4Address, IPv6Address
+from pathlib import Path
+from typing import NamedTuple, Protocol
+
+from kpr.datapath import abi, bpfsys
+from kpr.datapath.plan import Plan, ProgrammedService, ProgrammedState
+from kpr.model import Backend, Frontend
+
+log = logging.getLogger(__name__)
+
+
+class ServiceEntry(NamedTuple):
+    """struct kpr_service, decoded."""
+
+    backend_id: int = 0
+    count: int = 0
+    service_id: int = 0
+    affinity_timeout: int = 0
+
+
+ServiceKey = tuple[Frontend, int]  # frontend, slot
+
+
+class MapFull(Exception):
+    pass
+
+
+@dataclass
+class WriteResult:
+    """What a step could not write, and why."""
+
+    failed: set = field(default_factory=set)
+    errors: list[str] = field(default_factory=list)
+
+
+class Maps(Protocol):
+    def read(self) -> ProgrammedState: ...
+    def write_backends(self, entries: dict[int, Backend]) -> WriteResult: ...
+    def write_services(self, entries: dict[ServiceKey, ServiceEntry]) -> WriteResult: ...
+    def delete_services(self, keys: list[ServiceKey]) -> None: ...
+    def write_revnat(self, entries: dict[int, Frontend]) -> WriteResult: ...
+    def delete_revnat(self, entries: dict[int, Frontend]) -> None: ...
+    def delete_backends(self, entries: dict[int, Backend]) -> None: ...
+
+
+def decode(
+    services: dict[ServiceKey, ServiceEntry],
+    backends: dict[int, Backend],
+    revnat: dict[int, Frontend],
+) -> ProgrammedState:
+    """Map contents → ProgrammedState. Slots a master does not count are strays."""
+    state = ProgrammedState(backends=dict(backends), revnat=dict(revnat))
+    for (frontend, slot), entry in services.items():
+        if slot == 0:
+            slots = [
+                services.get((frontend, i), ServiceEntry()).backend_id
+                for i in range(1, entry.count + 1)
+            ]
+            state.services[frontend] = ProgrammedService(
+                entry.service_id, slots, entry.affinity_timeout
+            )
+    for frontend, slot in services:
+        master = services.get((frontend, 0))
+        if slot and (master is None or slot > master.count):
+            state.stray_slots.add((frontend, slot))
+    return state
+
+
+def execute(maps: Maps, steps: Plan) -> WriteResult:
+    """Write a plan in order. A frontend whose backends, slots or reverse entry
+    could not be written keeps its old master (so its clients keep the old,
+    consistent backends) and is returned as failed."""
+    result = WriteResult()
+
+    def merge(step: WriteResult) -> set:
+        result.errors.extend(step.errors)
+        return step.failed
+
+    failed_backends = merge(maps.write_backends(steps.backend_writes))
+    failed: set[Frontend] = {
+        frontend for (frontend, _), bid in steps.slot_writes.items() if bid in failed_backends
+    }
+    slot_entries = {
+        key: ServiceEntry(backend_id=bid)
+        for key, bid in steps.slot_writes.items()
+        if key[0] not in failed
+    }
+    failed |= {key[0] for key in merge(maps.write_services(slot_entries))}
+    revnat = {sid: f for sid, f in steps.revnat_writes.items() if f not in failed}
+    failed_ids = merge(maps.write_revnat(revnat))
+    failed |= {steps.revnat_writes[sid] for sid in failed_ids}
+    masters = {
+        (m.frontend, 0): ServiceEntry(0, m.count, m.service_id, m.affinity_timeout)
+        for m in steps.master_writes
+        if m.frontend not in failed
+    }
+    failed |= {key[0] for key in merge(maps.write_services(masters))}
+    maps.delete_services([(f, 0) for f in steps.master_deletes])
+    maps.delete_services([key for key in steps.slot_deletes if key[0] not in failed])
+    if failed:
+        # leave reverse entries and backends for the next full sync to collect:
+        # a failed frontend's old slots may still name them
+        result.failed = failed
+        return result
+    maps.delete_revnat(steps.revnat_deletes)
+    maps.delete_backends(steps.backend_deletes)
+    return result
+
+
+class MemoryMaps:
+    """In-memory maps with capacities. `check` runs after every write and delete,
+    as a reader of the real maps could look at any moment."""
+
+    def __init__(self, capacity: int = 1 << 20, check=None) -> None:
+        self.capacity = capacity
+        self.services: dict[ServiceKey, ServiceEntry] = {}
+        self.backends: dict[int, Backend] = {}
+        self.revnat: dict[int, Frontend] = {}
+        self.check = check
+
+    def _checked(self) -> None:
+        if self.check:
+            self.check(self)
+
+    def _write(self, table: dict, entries: dict, key_of=lambda k: k) -> WriteResult:
+        result = WriteResult()
+        for key, value in entries.items():
+            if key not in table and len(table) >= self.capacity:
+                result.failed.add(key_of(key))
+                result.errors.append(f"map full ({self.capacity} entries)")
+                continue
+            table[key] = value
+            self._checked()
+        return result
+
+    def read(self) -> ProgrammedState:
+        return decode(self.services, self.backends, self.revnat)
+
+    def write_backends(self, entries: dict[int, Backend]) -> WriteResult:
+        return self._write(self.backends, entries)
+
+    def write_services(self, entries: dict[ServiceKey, ServiceEntry]) -> WriteResult:
+        return self._write(self.services, entries)
+
+    def write_revnat(self, entries: dict[int, Frontend]) -> WriteResult:
+        return self._write(self.revnat, entries)
+
+    def _delete(self, table: dict, keys) -> None:
+        for key in keys:
+            table.pop(key, None)
+            self._checked()
+
+    def delete_services(self, keys: list[ServiceKey]) -> None:
+        self._delete(self.services, keys)
+
+    def delete_revnat(self, entries: dict[int, Frontend]) -> None:
+        self._delete(self.revnat, entries)
+
+    def delete_backends(self, entries: dict[int, Backend]) -> None:
+        self._delete(self.backends, entries)
+
+
+def consistent(maps: MemoryMaps) -> list[str]:
+    """What a datapath reader could trip on right now: a master counting a slot
+    that is absent, or a slot naming a backend that is absent."""
+    faults = []
+    for (frontend, slot), entry in maps.services.items():
+        if slot:
+            continue
+        for i in range(1, entry.count + 1):
+            slot_entry = maps.services.get((frontend, i))
+            if slot_entry is None:
+                faults.append(f"{frontend}: slot {i} of {entry.count} missing")
+            elif slot_entry.backend_id not in maps.backends:
+                faults.append(f"{frontend}: slot {i} names absent backend {slot_entry.backend_id}")
+        if entry.service_id not in maps.revnat:
+            faults.append(f"{frontend}: no reverse entry for service {entry.service_id}")
+    return faults
+
+
+# --- the kernel maps ------------------------------------------------------------------
+
+
+def _service_key(frontend: Frontend, slot: int, key) -> None:
+    if frontend.address.version == 4:
+        key.address = abi.be32(frontend.address.packed)
+    else:
+        key.address[:] = frontend.address.packed
+    key.port = abi.htons(frontend.port)
+    key.protocol = abi.PROTOCOL_NUMBERS[frontend.protocol]
+    key.slot = slot
+
+
+def _frontend(key, version: int) -> Frontend:
+    if version == 4:
+        address: IPv4Address | IPv6Address = IPv4Address(abi.be32_bytes(key.address))
+    else:
+        address = IPv6Address(bytes(key.address))
+    protocol = abi.PROTOCOL_NAMES.get(key.protocol, str(key.protocol))
+    return Frontend(address, abi.ntohs(key.port), protocol)
+
+
+def _address_port(value, version: int) -> tuple[IPv4Address | IPv6Address, int]:
+    if version == 4:
+        return IPv4Address(abi.be32_bytes(value.address)), abi.ntohs(value.port)
+    return IPv6Address(bytes(value.address)), abi.ntohs(value.port)
+
+
+def _set_address_port(value, address, port: int) -> None:
+    if address.version == 4:
+        value.address = abi.be32(address.packed)
+    else:
+        value.address[:] = address.packed
+    value.port = abi.htons(port)
+
+
+class BpfMaps:
+    """The pinned kernel maps of one pin directory."""
+
+    def __init__(self, pin_dir: Path) -> None:
+        self.pin_dir = pin_dir
+        self.maps: dict[str, bpfsys.PinnedMap] = {}
+        for spec in abi.MAPS.values():
+            path = pin_dir / spec.pin
+            self.maps[spec.name] = bpfsys.PinnedMap.open(path, spec.key, spec.value)
+
+    def close(self) -> None:
+        for m in self.maps.values():
+            m.close()
+
+    def _family(self, base: str, version: int) -> bpfsys.PinnedMap:
+        return self.maps[f"kpr_{base}{version}"]
+
+    def read(self) -> ProgrammedState:
+        services: dict[ServiceKey, ServiceEntry] = {}
+        backends: dict[int, Backend] = {}
+        revnat: dict[int, Frontend] = {}
+        for version in (4, 6):
+            for key, value in self._family("services", version).items():
+                entry = ServiceEntry(
+                    value.backend_id, value.count, value.service_id, value.affinity_timeout
+                )
+                services[(_frontend(key, version), key.slot)] = entry
+            for key, value in self._family("backends", version).items():
+                backends[key.value] = Backend(*_address_port(value, version))
+            for key, value in self._family("revnat", version).items():
+                address, port = _address_port(value, version)
+                # the protocol is not in the reverse entry: take it from the master
+                revnat[key.value] = Frontend(address, port, "")
+        state = decode(services, backends, {})
+        by_id = {s.service_id: f for f, s in state.services.items()}
+        for sid, partial in revnat.items():
+            full = by_id.get(sid)
+            if full is not None and (full.address, full.port) == (partial.address, partial.port):
+                state.revnat[sid] = full
+            else:
+                state.revnat[sid] = partial  # orphan: plan() deletes it
+        return state
+
+    def _write(self, entries: dict, route, fill_key, fill_value, key_of) -> WriteResult:
+        """Batch-write entries grouped by map; fall back to one at a time on error,
+        to find exactly which entries failed."""
+        result = WriteResult()
+        groups: dict[str, list] = {}
+        for key, value in entries.items():
+            groups.setdefault(route(key, value), []).append((key, value))
+        for name, items in groups.items():
+            pinned = self.maps[name]
+            keys = (pinned.key_type * len(items))()
+            values = (pinned.value_type * len(items))()
+            for i, (key, value) in enumerate(items):
+                fill_key(keys, i, key)
+                fill_value(values[i], key, value)
+            try:
+                pinned.update_batch(keys, values)
+            except OSError as err:
+                log.warning("%s; writing entries one by one", err)
+                for i, (key, _) in enumerate(items):
+                    try:
+                        pinned.update(keys[i], values[i])
+                    except OSError as one:
+                        result.failed.add(key_of(key))
+                        result.errors.append(f"{name}: {one.strerror} ({key_of(key)})")
+        return result
+
+    def write_backends(self, entries: dict[int, Backend]) -> WriteResult:
+        def fill_key(keys, i, bid):
+            keys[i] = bid
+
+        def fill_value(value, _bid, backend: Backend):
+            _set_address_port(value, backend.address, backend.port)
+
+        return self._write(
+            entries,
+            lambda _bid, b: f"kpr_backends{b.address.version}",
+            fill_key,
+            fill_value,
+            lambda bid: bid,
+        )
+
+    def write_services(self, entries: dict[ServiceKey, ServiceEntry]) -> WriteResult:
+        def fill_key(keys, i, key: ServiceKey):
+            _service_key(key[0], key[1], keys[i])
+
+        def fill_value(value, _key, entry: ServiceEntry):
+            value.backend_id = entry.backend_id
+            value.count = entry.count
+            value.service_id = entry.service_id
+            value.affinity_timeout = entry.affinity_timeout
+
+        return self._write(
+            entries,
+            lambda key, _: f"kpr_services{key[0].address.version}",
+            fill_key,
+            fill_value,
+            lambda key: key,
+        )
+
+    def write_revnat(self, entries: dict[int, Frontend]) -> WriteResult:
+        def fill_key(keys, i, sid):
+            keys[i] = sid
+
+        def fill_value(value, _sid, frontend: Frontend):
+            _set_address_port(value, frontend.address, frontend.port)
+
+        return self._write(
+            entries,
+            lambda _sid, f: f"kpr_revnat{f.address.version}",
+            fill_key,
+            fill_value,
+            lambda sid: sid,
+        )
+
+    def _delete(self, items: list[tuple[str, object]], fill_key) -> None:
+        groups: dict[str, list] = {}
+        for name, key in items:
+            groups.setdefault(name, []).append(key)
+        for name, group in groups.items():
+            pinned = self.maps[name]
+            keys = (pinned.key_type * len(group))()
+            for i, key in enumerate(group):
+                fill_key(keys, i, key)
+            try:
+                pinned.delete_batch(keys)
+            except OSError:
+                for i in range(len(group)):  # a key already gone fails the batch
+                    pinned.delete(keys[i])
+
+    def delete_services(self, keys: list[ServiceKey]) -> None:
+        def fill_key(array, i, key: ServiceKey):
+            _service_key(key[0], key[1], array[i])
+
+        self._delete([(f"kpr_services{k[0].address.version}", k) for k in keys], fill_key)
+
+    def _delete_ids(self, base: str, entries: dict) -> None:
+        def fill_key(array, i, key):
+            array[i] = key
+
+        items = [(f"kpr_{base}{value.address.version}", key) for key, value in entries.items()]
+        self._delete(items, fill_key)
+
+    def delete_revnat(self, entries: dict[int, Frontend]) -> None:
+        self._delete_ids("revnat", entries)
+
+    def delete_backends(self, entries: dict[int, Backend]) -> None:
+        self._delete_ids("backends", entries)
+
+    def stats(self) -> dict[str, int]:
+        """Outcome counters summed over CPUs."""
+        pinned = self.maps["kpr_stats"]
+        ncpu = bpfsys.num_possible_cpus()
+        values_type = ct.c_uint64 * ncpu
+        per_cpu = bpfsys.PinnedMap(pinned.fd, ct.c_uint32, values_type, pinned.name)
+        out = {}
+        for index, name in abi.STAT_NAMES.items():
+            value = per_cpu.lookup(ct.c_uint32(index))
+            out[name] = sum(value) if value is not None else 0
+        return out
+
+    def fill(self) -> dict[str, tuple[int, int]]:
+        """Entries used and max_entries per map."""
+        return {
+            spec.pin: (sum(1 for _ in self.maps[name].keys()), self.maps[name].info.max_entries)
+            for name, spec in abi.MAPS.items()
+            if spec.map_type != abi.BPF_MAP_TYPE_PERCPU_ARRAY
+        }

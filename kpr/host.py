@@ -1,0 +1,126 @@
+"""Facts about the host kpr runs on: privileges, cgroup v2, bpffs, kernel headers.
+
+Each check fails with a `SetupError` whose message says what is wrong and
+what to do, in one paragraph, instead of a stack trace from deep below.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+
+DEFAULT_PIN_DIR = Path("/sys/fs/bpf/kpr")
+
+
+class SetupError(Exception):
+    """The host cannot run kpr as asked; the message says how to fix it."""
+
+
+def mounts() -> list[tuple[Path, str]]:
+    """(mount point, fstype) from /proc/self/mountinfo."""
+    out = []
+    for line in Path("/proc/self/mountinfo").read_text().splitlines():
+        fields = line.split()
+        sep = fields.index("-")
+        out.append((Path(fields[4]), fields[sep + 1]))
+    return out
+
+
+def cgroup2_root() -> Path:
+    for mount_point, fstype in mounts():
+        if fstype == "cgroup2":
+            return mount_point
+    raise SetupError(
+        "No cgroup v2 hierarchy is mounted (none in /proc/self/mountinfo). kpr attaches its "
+        "socket hooks to a cgroup v2 directory: mount one with "
+        "`mount -t cgroup2 none /sys/fs/cgroup/unified` (or boot with systemd's unified or "
+        "hybrid cgroup layout) and pass it with --cgroup if it is not the only one."
+    )
+
+
+def require_root() -> None:
+    if os.geteuid() != 0:
+        raise SetupError(
+            "kpr must run as root (or with CAP_BPF, CAP_NET_ADMIN and CAP_SYS_ADMIN): it loads "
+            "BPF programs, attaches them to a cgroup and pins maps in bpffs. Run it with sudo, "
+            "or in the DaemonSet, which grants these capabilities."
+        )
+
+
+def require_cgroup2_dir(path: Path) -> Path:
+    path = path.resolve()
+    if not (path / "cgroup.procs").exists() or not any(
+        fstype == "cgroup2" and (path == mp or mp in path.parents) for mp, fstype in mounts()
+    ):
+        raise SetupError(
+            f"{path} is not a cgroup v2 directory. kpr attaches its socket hooks to a cgroup "
+            f"v2 directory (the default is the root of the cgroup v2 mount, here "
+            f"{_cgroup2_hint()}); pass an existing one with --cgroup."
+        )
+    return path
+
+
+def _cgroup2_hint() -> str:
+    try:
+        return str(cgroup2_root())
+    except SetupError:
+        return "none is mounted"
+
+
+def ensure_bpffs(pin_dir: Path) -> None:
+    """Pins must live on bpffs; mount it at /sys/fs/bpf when nothing is there."""
+    bpf_mounts = [mp for mp, fstype in mounts() if fstype == "bpf"]
+    if any(mp == pin_dir or mp in pin_dir.parents for mp in bpf_mounts):
+        pin_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        return
+    default_mount = Path("/sys/fs/bpf")
+    if default_mount in pin_dir.parents or pin_dir == default_mount:
+        result = subprocess.run(
+            ["mount", "-t", "bpf", "bpf", str(default_mount)], capture_output=True, text=True
+        )
+        if result.returncode == 0:
+            pin_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+            return
+        detail = result.stderr.strip()
+    else:
+        detail = "it is not under /sys/fs/bpf"
+    raise SetupError(
+        f"The pin directory {pin_dir} is not on a BPF filesystem ({detail}). kpr pins its "
+        f"maps there so services keep working across agent restarts: mount bpffs with "
+        f"`mount -t bpf bpf /sys/fs/bpf`, or choose a --bpffs directory under a bpffs mount."
+    )
+
+
+def require_kernel_headers() -> None:
+    """BCC compiles against the headers at BCC_KERNEL_SOURCE or /lib/modules/<r>/build."""
+    if os.environ.get("BCC_KERNEL_SOURCE"):
+        source = Path(os.environ["BCC_KERNEL_SOURCE"])
+        if (source / "include").is_dir():
+            return
+        where = f"BCC_KERNEL_SOURCE={source} has no include/ directory"
+    else:
+        release = os.uname().release
+        build = Path("/lib/modules") / release / "build"
+        if (build / "include").is_dir():
+            return
+        where = f"{build} does not exist"
+    raise SetupError(
+        f"Kernel headers not found ({where}). BCC compiles kpr's BPF programs at start and "
+        f"needs them. On Debian run `deploy/host-setup.sh` (it installs linux-headers-amd64 and "
+        f"links /lib/modules/$(uname -r)/build to it), or install the headers for this kernel, "
+        f"or set BCC_KERNEL_SOURCE to a kernel headers tree."
+    )
+
+
+def require_bcc():
+    try:
+        import bcc
+    except ImportError as err:
+        raise SetupError(
+            f"BCC's Python bindings are not importable ({err}). Install Debian's "
+            f"python3-bpfcc and run kpr with /usr/bin/python3 or a venv made with "
+            f"`/usr/bin/python3 -m venv --system-site-packages` (the PyPI package named "
+            f"'bcc' is an unrelated library)."
+        ) from err
+    return bcc
