@@ -189,7 +189,7 @@ class PinnedMap:
             os.close(self.fd)
             self.fd = -1
 
-    def keys(self) -> Iterator:
+    def iter_keys(self) -> Iterator:
         key = self.key_type()
         prev = None
         while True:
@@ -217,7 +217,7 @@ class PinnedMap:
     def items(self) -> list[tuple]:
         """A snapshot of the map. Entries deleted while iterating are skipped."""
         out = []
-        for key in self.keys():
+        for key in self.iter_keys():
             value = self.lookup(key)
             if value is not None:
                 out.append((key, value))

@@ -392,7 +392,10 @@ class BpfMaps:
     def fill(self) -> dict[str, tuple[int, int]]:
         """Entries used and max_entries per map."""
         return {
-            spec.pin: (sum(1 for _ in self.maps[name].keys()), self.maps[name].info.max_entries)
+            spec.pin: (
+                sum(1 for _ in self.maps[name].iter_keys()),
+                self.maps[name].info.max_entries,
+            )
             for name, spec in abi.MAPS.items()
             if spec.map_type != abi.BPF_MAP_TYPE_PERCPU_ARRAY
         }
