@@ -1,0 +1,355 @@
+"""Validation of API-shaped Kubernetes objects into the dataclasses of kpr.model.
+
+Input is what the API server (or `kubectl get -o yaml`) gives: camelCase dicts.
+Everything kpr relies on is checked here, so translation can trust its input;
+a bad field raises ObjectError naming the object and the field path.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from ipaddress import ip_address
+from typing import Any
+
+from kpr.model import (
+    Endpoint,
+    EndpointPort,
+    EndpointSlice,
+    IPAddress,
+    ObjectRef,
+    Service,
+    ServicePort,
+)
+
+SERVICE_NAME_LABEL = "kubernetes.io/service-name"
+SERVICE_TYPES = ("ClusterIP", "NodePort", "LoadBalancer", "ExternalName")
+SERVICE_PROTOCOLS = ("TCP", "UDP", "SCTP")
+ADDRESS_TYPES = ("IPv4", "IPv6", "FQDN")
+TRAFFIC_POLICIES = ("Cluster", "Local")
+SESSION_AFFINITIES = ("None", "ClientIP")
+DEFAULT_AFFINITY_TIMEOUT = 10800
+MAX_AFFINITY_TIMEOUT = 86400  # the API server's limit
+
+
+class ObjectError(ValueError):
+    """A Kubernetes object kpr cannot use, with the field that is wrong."""
+
+    def __init__(self, ref: ObjectRef | None, field: str, message: str) -> None:
+        self.ref = ref
+        self.field = field
+        self.message = message
+        super().__init__(str(self))
+
+    def __str__(self) -> str:
+        what = f"{self.field}: {self.message}"
+        return f"{self.ref}: {what}" if self.ref else what
+
+
+# --- typed field readers: each names the field path in its error -------------------
+
+
+def _type_name(value: object) -> str:
+    return "null" if value is None else type(value).__name__
+
+
+def _mapping(value: object, ref: ObjectRef | None, path: str) -> dict[str, Any]:
+    """A nested object; null or missing is an empty one, as in the API."""
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise ObjectError(ref, path, f"must be a mapping, not {_type_name(value)}")
+    return value
+
+
+def _list(value: object, ref: ObjectRef, path: str) -> list[Any]:
+    """A list field; null or missing is an empty list, as in the API."""
+    if value is None:
+        return []
+    if not isinstance(value, list):
+        raise ObjectError(ref, path, f"must be a list, not {_type_name(value)}")
+    return value
+
+
+def _string(value: object, ref: ObjectRef | None, path: str, default: str = "") -> str:
+    if value is None:
+        return default
+    if not isinstance(value, str):
+        raise ObjectError(ref, path, f"must be a string, not {_type_name(value)}")
+    return value
+
+
+def _optional_string(value: object, ref: ObjectRef, path: str) -> str | None:
+    return None if value is None else _string(value, ref, path)
+
+
+def _choice(
+    value: object, ref: ObjectRef, path: str, choices: tuple[str, ...], default: str | None
+) -> str:
+    if value is None and default is not None:
+        return default
+    if value not in choices:
+        raise ObjectError(ref, path, f"{value!r} is not one of {', '.join(choices)}")
+    return str(value)
+
+
+def _bool(value: object, ref: ObjectRef, path: str, default: bool) -> bool:
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise ObjectError(ref, path, f"must be true or false, not {value!r}")
+    return value
+
+
+def _int(value: object, ref: ObjectRef, path: str) -> int:
+    # bool is an int in Python; `port: true` is still wrong.
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ObjectError(ref, path, f"must be an integer, not {value!r}")
+    return value
+
+
+def _port(value: object, ref: ObjectRef, path: str) -> int:
+    port = _int(value, ref, path)
+    if not 1 <= port <= 65535:
+        raise ObjectError(ref, path, f"{port} is not a valid port (1-65535)")
+    return port
+
+
+def _ip(value: object, ref: ObjectRef, path: str, version: int | None = None) -> IPAddress:
+    if not isinstance(value, str):
+        raise ObjectError(ref, path, f"must be an IP address string, not {value!r}")
+    try:
+        # A zone ("%eth0") is accepted by Python but never valid in Kubernetes.
+        if "%" in value:
+            raise ValueError(value)
+        address = ip_address(value)
+    except ValueError:
+        raise ObjectError(ref, path, f"{value!r} is not a valid IP address") from None
+    if version is not None and address.version != version:
+        raise ObjectError(ref, path, f"{value!r} is not an IPv{version} address")
+    return address
+
+
+def _metadata(obj: dict[str, Any], kind: str) -> tuple[ObjectRef, dict[str, str]]:
+    metadata = _mapping(obj.get("metadata"), None, "metadata")
+    name = metadata.get("name")
+    if not isinstance(name, str) or not name:
+        raise ObjectError(None, "metadata.name", f"a {kind} must have a name")
+    namespace = _string(metadata.get("namespace"), None, "metadata.namespace") or "default"
+    ref = ObjectRef(kind, namespace, name)
+    labels = _mapping(metadata.get("labels"), ref, "metadata.labels")
+    for key, value in labels.items():
+        _string(value, ref, f"metadata.labels[{key}]")
+    return ref, dict(labels)
+
+
+# --- Service -------------------------------------------------------------------------
+
+
+def parse_service(obj: dict[str, Any]) -> Service:
+    """Validate a v1 Service."""
+    ref, labels = _metadata(obj, "Service")
+    spec = _mapping(obj.get("spec"), ref, "spec")
+    ports = tuple(
+        _service_port(port, ref, f"spec.ports[{i}]")
+        for i, port in enumerate(_list(spec.get("ports"), ref, "spec.ports"))
+    )
+    _check_unique_ports(ports, ref)
+    external_ips = tuple(
+        _ip(value, ref, f"spec.externalIPs[{i}]")
+        for i, value in enumerate(_list(spec.get("externalIPs"), ref, "spec.externalIPs"))
+    )
+    return Service(
+        namespace=ref.namespace,
+        name=ref.name,
+        type=_choice(spec.get("type"), ref, "spec.type", SERVICE_TYPES, "ClusterIP"),
+        cluster_ips=_cluster_ips(spec, ref),
+        ports=ports,
+        labels=labels,
+        external_ips=external_ips,
+        session_affinity=_choice(
+            spec.get("sessionAffinity"), ref, "spec.sessionAffinity", SESSION_AFFINITIES, "None"
+        ),
+        affinity_timeout=_affinity_timeout(spec, ref),
+        internal_traffic_policy=_choice(
+            spec.get("internalTrafficPolicy"),
+            ref,
+            "spec.internalTrafficPolicy",
+            TRAFFIC_POLICIES,
+            "Cluster",
+        ),
+        external_traffic_policy=_choice(
+            spec.get("externalTrafficPolicy"),
+            ref,
+            "spec.externalTrafficPolicy",
+            TRAFFIC_POLICIES,
+            "Cluster",
+        ),
+    )
+
+
+def _cluster_ips(spec: dict[str, Any], ref: ObjectRef) -> tuple[IPAddress, ...]:
+    """spec.clusterIPs (dual-stack), else spec.clusterIP; empty when headless."""
+    cluster_ip = _string(spec.get("clusterIP"), ref, "spec.clusterIP")
+    values = [
+        _string(value, ref, f"spec.clusterIPs[{i}]")
+        for i, value in enumerate(_list(spec.get("clusterIPs"), ref, "spec.clusterIPs"))
+    ]
+    if values:
+        # The API server keeps the two equal; a hand edit of one of them is a mistake.
+        if cluster_ip and cluster_ip != values[0]:
+            raise ObjectError(
+                ref, "spec.clusterIP", f"{cluster_ip!r} differs from spec.clusterIPs[0]"
+            )
+        paths = [f"spec.clusterIPs[{i}]" for i in range(len(values))]
+    else:
+        values = [cluster_ip] if cluster_ip else []
+        paths = ["spec.clusterIP"]
+    if not values or values[0] in ("None", ""):
+        return ()
+    if len(values) > 2:
+        raise ObjectError(ref, "spec.clusterIPs", "at most one IPv4 and one IPv6 address")
+    addresses = tuple(_ip(value, ref, path) for value, path in zip(values, paths, strict=True))
+    if len(addresses) == 2 and addresses[0].version == addresses[1].version:
+        raise ObjectError(ref, paths[1], "must be of the other IP family than spec.clusterIPs[0]")
+    return addresses
+
+
+def _service_port(value: object, ref: ObjectRef, path: str) -> ServicePort:
+    port = _mapping(value, ref, path)
+    node_port = port.get("nodePort")
+    return ServicePort(
+        name=_string(port.get("name"), ref, f"{path}.name"),
+        protocol=_choice(port.get("protocol"), ref, f"{path}.protocol", SERVICE_PROTOCOLS, "TCP"),
+        port=_port(port.get("port"), ref, f"{path}.port"),
+        node_port=None if node_port is None else _port(node_port, ref, f"{path}.nodePort"),
+    )
+
+
+def _check_unique_ports(ports: tuple[ServicePort, ...], ref: ObjectRef) -> None:
+    # Endpoint ports are matched by name, and frontends by port/protocol: both must be unique.
+    names: dict[str, int] = {}
+    numbers: dict[tuple[int, str], int] = {}
+    for i, port in enumerate(ports):
+        if port.name in names:
+            raise ObjectError(
+                ref,
+                f"spec.ports[{i}].name",
+                f"{port.name!r} is also the name of spec.ports[{names[port.name]}]"
+                " (the ports of a multi-port Service need unique names)",
+            )
+        if (port.port, port.protocol) in numbers:
+            raise ObjectError(
+                ref,
+                f"spec.ports[{i}].port",
+                f"{port.port}/{port.protocol} is also "
+                f"spec.ports[{numbers[port.port, port.protocol]}]",
+            )
+        names[port.name] = i
+        numbers[port.port, port.protocol] = i
+
+
+def _affinity_timeout(spec: dict[str, Any], ref: ObjectRef) -> int:
+    path = "spec.sessionAffinityConfig"
+    config = _mapping(spec.get("sessionAffinityConfig"), ref, path)
+    client_ip = _mapping(config.get("clientIP"), ref, f"{path}.clientIP")
+    value = client_ip.get("timeoutSeconds")
+    if value is None:
+        return DEFAULT_AFFINITY_TIMEOUT
+    timeout = _int(value, ref, f"{path}.clientIP.timeoutSeconds")
+    if not 1 <= timeout <= MAX_AFFINITY_TIMEOUT:
+        raise ObjectError(
+            ref,
+            f"{path}.clientIP.timeoutSeconds",
+            f"{timeout} is not between 1 and {MAX_AFFINITY_TIMEOUT}",
+        )
+    return timeout
+
+
+# --- EndpointSlice ---------------------------------------------------------------------
+
+
+def parse_endpoint_slice(obj: dict[str, Any]) -> EndpointSlice:
+    """Validate a discovery.k8s.io/v1 EndpointSlice."""
+    ref, labels = _metadata(obj, "EndpointSlice")
+    address_type = _choice(obj.get("addressType"), ref, "addressType", ADDRESS_TYPES, None)
+    ports = tuple(
+        _endpoint_port(port, ref, f"ports[{i}]")
+        for i, port in enumerate(_list(obj.get("ports"), ref, "ports"))
+    )
+    endpoints = _list(obj.get("endpoints"), ref, "endpoints")
+    return EndpointSlice(
+        namespace=ref.namespace,
+        name=ref.name,
+        service_name=labels.get(SERVICE_NAME_LABEL),
+        address_type=address_type,
+        ports=ports,
+        # FQDN addresses are host names, not IPs, and kube-proxy ignores those slices.
+        endpoints=()
+        if address_type == "FQDN"
+        else tuple(
+            _endpoint(endpoint, ref, f"endpoints[{i}]", 4 if address_type == "IPv4" else 6)
+            for i, endpoint in enumerate(endpoints)
+        ),
+        labels=labels,
+    )
+
+
+def _endpoint_port(value: object, ref: ObjectRef, path: str) -> EndpointPort:
+    port = _mapping(value, ref, path)
+    number = port.get("port")
+    return EndpointPort(
+        name=_string(port.get("name"), ref, f"{path}.name"),
+        protocol=_choice(port.get("protocol"), ref, f"{path}.protocol", SERVICE_PROTOCOLS, "TCP"),
+        port=None if number is None else _port(number, ref, f"{path}.port"),
+    )
+
+
+def _endpoint(value: object, ref: ObjectRef, path: str, version: int) -> Endpoint:
+    endpoint = _mapping(value, ref, path)
+    addresses = _list(endpoint.get("addresses"), ref, f"{path}.addresses")
+    if not addresses:
+        raise ObjectError(ref, f"{path}.addresses", "an endpoint needs at least one address")
+    conditions = _mapping(endpoint.get("conditions"), ref, f"{path}.conditions")
+    hints = _mapping(endpoint.get("hints"), ref, f"{path}.hints")
+    return Endpoint(
+        addresses=tuple(
+            _ip(address, ref, f"{path}.addresses[{i}]", version)
+            for i, address in enumerate(addresses)
+        ),
+        ready=_bool(conditions.get("ready"), ref, f"{path}.conditions.ready", True),
+        serving=_bool(conditions.get("serving"), ref, f"{path}.conditions.serving", True),
+        terminating=_bool(
+            conditions.get("terminating"), ref, f"{path}.conditions.terminating", False
+        ),
+        node_name=_optional_string(endpoint.get("nodeName"), ref, f"{path}.nodeName"),
+        zone=_optional_string(endpoint.get("zone"), ref, f"{path}.zone"),
+        hints_for_nodes=_hint_names(hints.get("forNodes"), ref, f"{path}.hints.forNodes"),
+        hints_for_zones=_hint_names(hints.get("forZones"), ref, f"{path}.hints.forZones"),
+    )
+
+
+def _hint_names(value: object, ref: ObjectRef, path: str) -> tuple[str, ...] | None:
+    """The names in hints.forNodes / hints.forZones; None when the hint is absent."""
+    if value is None:
+        return None
+    names = []
+    for i, hint in enumerate(_list(value, ref, path)):
+        name = _mapping(hint, ref, f"{path}[{i}]").get("name")
+        if not isinstance(name, str) or not name:
+            raise ObjectError(ref, f"{path}[{i}].name", "must be a non-empty string")
+        names.append(name)
+    return tuple(names)
+
+
+# --- dispatch ----------------------------------------------------------------------------
+
+_PARSERS: dict[tuple[str, str], Callable[[dict[str, Any]], Service | EndpointSlice]] = {
+    ("v1", "Service"): parse_service,
+    ("discovery.k8s.io/v1", "EndpointSlice"): parse_endpoint_slice,
+}
+
+
+def parse_object(obj: dict[str, Any]) -> Service | EndpointSlice | None:
+    """Validate a Service or EndpointSlice; None for any other apiVersion/kind."""
+    parser = _PARSERS.get((str(obj.get("apiVersion")), str(obj.get("kind"))))
+    return parser(obj) if parser else None

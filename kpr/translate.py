@@ -1,0 +1,243 @@
+"""Services and EndpointSlices → the desired frontends and backends of the datapath.
+
+Pure functions, one per policy decision, following kube-proxy's
+endpointslicecache.go (which endpoints belong to a Service port) and
+topology.go (which of them receive traffic on this node).
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Iterable, Mapping
+
+from kpr.model import (
+    MAX_SLOTS,
+    PROTOCOLS,
+    Backend,
+    Endpoint,
+    EndpointSlice,
+    Frontend,
+    FrontendState,
+    NodeContext,
+    ObjectRef,
+    Problem,
+    Service,
+    ServicePort,
+    Translation,
+)
+from kpr.objects import SERVICE_NAME_LABEL
+
+SERVICE_PROXY_NAME_LABEL = "service.kubernetes.io/service-proxy-name"
+
+ServiceKey = tuple[str, str]  # (namespace, name)
+
+
+def translate(
+    services: Iterable[Service], slices: Iterable[EndpointSlice], node: NodeContext
+) -> Translation:
+    """The whole desired datapath state for this node."""
+    # Sorted, so a conflict resolves the same way whatever order the source gives.
+    services = sorted(services, key=lambda service: (service.namespace, service.name))
+    translation = Translation()
+    slices_by_service = owned_slices(services, slices, translation.problems)
+    owners: dict[Frontend, ObjectRef] = {}
+    for service in services:
+        if is_served(service, node):
+            service_slices = slices_by_service.get((service.namespace, service.name), [])
+            _translate_service(service, service_slices, node, owners, translation)
+    return translation
+
+
+def _translate_service(
+    service: Service,
+    slices: list[EndpointSlice],
+    node: NodeContext,
+    owners: dict[Frontend, ObjectRef],
+    translation: Translation,
+) -> None:
+    """Add the frontends of one Service's cluster IPs, one per IP, port and protocol."""
+    affinity_timeout = service.affinity_timeout if service.session_affinity == "ClientIP" else 0
+    for index, port in enumerate(service.ports):
+        field = f"spec.ports[{index}]"
+        if port.protocol not in PROTOCOLS:
+            translation.problems.append(
+                Problem(
+                    f"{port.port}/{port.protocol} is not served: kpr handles TCP and UDP only",
+                    ref=service.ref,
+                    field=f"{field}.protocol",
+                )
+            )
+            continue
+        for address in service.cluster_ips:
+            frontend = Frontend(address, port.port, port.protocol)
+            owner = owners.setdefault(frontend, service.ref)
+            if owner != service.ref:
+                translation.problems.append(
+                    Problem(
+                        f"{frontend} is also claimed by {owner}, which keeps it", service.ref, field
+                    )
+                )
+                continue
+            # Each cluster IP is served from the slices of its own IP family.
+            family = f"IPv{address.version}"
+            backends = select_backends(
+                port,
+                [s for s in slices if s.address_type == family],
+                service.internal_traffic_policy,
+                node,
+            )
+            if len(backends) > MAX_SLOTS:
+                translation.problems.append(
+                    Problem(
+                        f"{frontend} has {len(backends)} backends, more than the {MAX_SLOTS}"
+                        " the datapath holds; what is programmed for it is kept",
+                        service.ref,
+                        field,
+                    )
+                )
+                translation.held.add(frontend)
+                continue
+            translation.frontends[frontend] = FrontendState(
+                service_port_name(service, port), backends, affinity_timeout
+            )
+
+
+def select_backends(
+    port: ServicePort, slices: Iterable[EndpointSlice], traffic_policy: str, node: NodeContext
+) -> tuple[Backend, ...]:
+    """The backends of one Service port on this node: sorted and unique."""
+    endpoints = merge_endpoints(port, slices)
+    return tuple(sorted(set(categorize_endpoints(endpoints, traffic_policy, node))))
+
+
+def is_served(service: Service, node: NodeContext) -> bool:
+    """Whether this proxy programs the Service at all (kube-proxy's Service filter)."""
+    if service.type == "ExternalName" or not service.cluster_ips:
+        return False  # nothing to load-balance: DNS only, or headless
+    # Unlabelled Services are the default proxy's; a labelled one belongs to the proxy it names.
+    proxy_name = service.labels.get(SERVICE_PROXY_NAME_LABEL)
+    return proxy_name is None or proxy_name == node.proxy_name
+
+
+def owned_slices(
+    services: Iterable[Service], slices: Iterable[EndpointSlice], problems: list[Problem]
+) -> dict[ServiceKey, list[EndpointSlice]]:
+    """The IP slices of each Service, sorted by name; a slice naming no Service is a problem."""
+    known = {(service.namespace, service.name) for service in services}
+    owned: dict[ServiceKey, list[EndpointSlice]] = defaultdict(list)
+    for endpoint_slice in sorted(slices, key=lambda s: (s.namespace, s.name)):
+        if endpoint_slice.service_name is None:
+            continue  # not managed for a Service
+        key = (endpoint_slice.namespace, endpoint_slice.service_name)
+        if key not in known:
+            problems.append(
+                Problem(
+                    f"names Service {key[0]}/{key[1]}, which does not exist",
+                    ref=endpoint_slice.ref,
+                    field=f"metadata.labels[{SERVICE_NAME_LABEL}]",
+                )
+            )
+        elif endpoint_slice.address_type in ("IPv4", "IPv6"):  # FQDN slices are not proxied
+            owned[key].append(endpoint_slice)
+    return owned
+
+
+def merge_endpoints(port: ServicePort, slices: Iterable[EndpointSlice]) -> dict[Backend, Endpoint]:
+    """The endpoints of one Service port across its slices, keyed by ip:port.
+
+    A slice port serves the Service port of the same name and protocol. When
+    one ip:port is in two slices the non-terminating one wins, else the first.
+    """
+    merged: dict[Backend, Endpoint] = {}
+    for endpoint_slice in slices:
+        for slice_port in endpoint_slice.ports:
+            if (slice_port.name, slice_port.protocol) != (port.name, port.protocol):
+                continue
+            if not slice_port.port:  # unset or 0: no port to send to
+                continue
+            for endpoint in endpoint_slice.endpoints:
+                backend = Backend(endpoint.addresses[0], slice_port.port)
+                known = merged.get(backend)
+                if known is None or (known.terminating and not endpoint.terminating):
+                    merged[backend] = endpoint
+    return merged
+
+
+def categorize_endpoints(
+    endpoints: Mapping[Backend, Endpoint], traffic_policy: str, node: NodeContext
+) -> list[Backend]:
+    """The backends that receive traffic under the Service's traffic policy."""
+    if traffic_policy == "Local":
+        return local_endpoints(endpoints, node)
+    return cluster_endpoints(endpoints, node)
+
+
+def cluster_endpoints(endpoints: Mapping[Backend, Endpoint], node: NodeContext) -> list[Backend]:
+    """Ready endpoints, narrowed by topology hints; none ready → serving+terminating ones."""
+    mode = topology_mode(endpoints.values(), node)
+    ready = [
+        backend
+        for backend, endpoint in endpoints.items()
+        if endpoint.ready and available_for_topology(endpoint, mode, node)
+    ]
+    if ready:
+        return ready
+    # Graceful termination: topology is ignored, since no endpoint anywhere is ready.
+    return [
+        backend
+        for backend, endpoint in endpoints.items()
+        if endpoint.serving and endpoint.terminating
+    ]
+
+
+def local_endpoints(endpoints: Mapping[Backend, Endpoint], node: NodeContext) -> list[Backend]:
+    """Ready endpoints on this node; none → serving+terminating ones on this node."""
+    local = {b: e for b, e in endpoints.items() if is_local(e, node)}
+    ready = [backend for backend, endpoint in local.items() if endpoint.ready]
+    if ready:
+        return ready
+    return [b for b, e in local.items() if e.serving and e.terminating]
+
+
+def is_local(endpoint: Endpoint, node: NodeContext) -> bool:
+    return node.name is not None and endpoint.node_name == node.name
+
+
+def topology_mode(endpoints: Iterable[Endpoint], node: NodeContext) -> str | None:
+    """Which topology hints to follow: "Node", "Zone" or None (topology.go canUseTopology).
+
+    Hints are followed only when every ready endpoint carries them and at
+    least one is for this node (or zone); otherwise traffic could be sent
+    nowhere, or unevenly while the hints are being rolled out.
+    """
+    ready = [endpoint for endpoint in endpoints if endpoint.ready]
+    if not ready:
+        return None
+    if _hints_apply([e.hints_for_nodes for e in ready], node.name):
+        return "Node"
+    if _hints_apply([e.hints_for_zones for e in ready], node.zone):
+        return "Zone"
+    return None
+
+
+def _hints_apply(hints: list[tuple[str, ...] | None], target: str | None) -> bool:
+    """Every endpoint has this kind of hint, and one of them names the target."""
+    return (
+        target is not None
+        and all(hints)
+        and any(target in endpoint_hints for endpoint_hints in hints if endpoint_hints)
+    )
+
+
+def available_for_topology(endpoint: Endpoint, mode: str | None, node: NodeContext) -> bool:
+    if mode == "Node":
+        return node.name in (endpoint.hints_for_nodes or ())
+    if mode == "Zone":
+        return node.zone in (endpoint.hints_for_zones or ())
+    return True
+
+
+def service_port_name(service: Service, port: ServicePort) -> str:
+    """The Service port as kube-proxy names it: namespace/name:port, or namespace/name."""
+    base = f"{service.namespace}/{service.name}"
+    return f"{base}:{port.name}" if port.name else base
