@@ -1,0 +1,159 @@
+"""Client probes run inside a Lab's node netns and cgroup; each prints one JSON object.
+
+Every socket has a 2 s timeout so a probe never hangs. Errors are reported by errno name
+(``ECONNREFUSED``, ``ETIMEDOUT``, ...) rather than raised, so a test can assert on them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import errno
+import ipaddress
+import json
+import socket
+import sys
+import time
+from collections import Counter
+
+SOCKET_TIMEOUT_S = 2.0
+
+
+def family_of(address: str) -> socket.AddressFamily:
+    if ipaddress.ip_address(address).version == 6:
+        return socket.AF_INET6
+    return socket.AF_INET
+
+
+def format_endpoint(sockaddr: tuple) -> str:
+    """``ip:port`` for IPv4, ``[ip]:port`` for IPv6 (sockaddr as socket calls return it)."""
+    host, port = sockaddr[0], sockaddr[1]
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def errno_name(exc: OSError) -> str:
+    # A settimeout() expiry is a TimeoutError without an errno.
+    if exc.errno is None:
+        return "ETIMEDOUT" if isinstance(exc, TimeoutError) else type(exc).__name__
+    return errno.errorcode.get(exc.errno, str(exc.errno))
+
+
+def _recv_line(sock: socket.socket) -> str:
+    chunks = b""
+    while b"\n" not in chunks:
+        chunk = sock.recv(256)
+        if not chunk:
+            break
+        chunks += chunk
+    return chunks.decode().strip()
+
+
+def tcp_once(address: str, port: int) -> dict:
+    with socket.socket(family_of(address), socket.SOCK_STREAM) as sock:
+        sock.settimeout(SOCKET_TIMEOUT_S)
+        try:
+            sock.connect((address, port))
+            peer = format_endpoint(sock.getpeername())
+            pod = _recv_line(sock)
+        except OSError as exc:
+            return {"error": errno_name(exc)}
+    if not pod:
+        return {"error": "EMPTY", "peer": peer}
+    return {"pod": pod, "peer": peer}
+
+
+def udp_connected_once(address: str, port: int) -> dict:
+    with socket.socket(family_of(address), socket.SOCK_DGRAM) as sock:
+        sock.settimeout(SOCKET_TIMEOUT_S)
+        try:
+            sock.connect((address, port))
+            sock.send(b"probe\n")
+            pod = sock.recv(256).decode().strip()
+            peer = format_endpoint(sock.getpeername())
+        except OSError as exc:
+            return {"error": errno_name(exc)}
+    return {"pod": pod, "peer": peer}
+
+
+def udp_unconnected(address: str, port: int, count: int, sockets: int) -> list[dict]:
+    results = []
+    for index in range(sockets):
+        with socket.socket(family_of(address), socket.SOCK_DGRAM) as sock:
+            sock.settimeout(SOCKET_TIMEOUT_S)
+            for _ in range(count):
+                try:
+                    sock.sendto(b"probe\n", (address, port))
+                    data, source = sock.recvfrom(256)
+                    results.append(
+                        {
+                            "socket": index,
+                            "pod": data.decode().strip(),
+                            "source": format_endpoint(source),
+                        }
+                    )
+                except OSError as exc:
+                    results.append({"socket": index, "error": errno_name(exc)})
+    return results
+
+
+def loop_tcp(address: str, port: int, duration_s: float) -> dict:
+    counts: Counter[str] = Counter()
+    errors = []
+    start = time.monotonic()
+    while (now := time.monotonic()) - start < duration_s:
+        result = tcp_once(address, port)
+        if "pod" in result:
+            counts[result["pod"]] += 1
+        else:
+            errors.append({"t": round(now - start, 4), "error": result["error"]})
+    return {"total": sum(counts.values()) + len(errors), "counts": dict(counts), "errors": errors}
+
+
+def wait_listening(addresses: list[str], port: int, timeout_s: float) -> dict:
+    """Poll until a TCP connect to every address succeeds; used by Lab set-up."""
+    pending = list(addresses)
+    deadline = time.monotonic() + timeout_s
+    while pending and time.monotonic() < deadline:
+        pending = [address for address in pending if "pod" not in tcp_once(address, port)]
+        if pending:
+            time.sleep(0.02)
+    return {"ready": not pending, "pending": pending}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    commands = parser.add_subparsers(dest="command", required=True)
+    for name in ("tcp", "udp-connected", "udp-unconnected", "loop-tcp"):
+        command = commands.add_parser(name)
+        command.add_argument("address")
+        command.add_argument("port", type=int)
+        if name == "loop-tcp":
+            command.add_argument("--duration", type=float, required=True, help="seconds")
+        else:
+            command.add_argument("--count", type=int, default=1)
+        if name == "udp-unconnected":
+            command.add_argument("--sockets", type=int, default=1)
+    wait = commands.add_parser("wait")
+    wait.add_argument("port", type=int)
+    wait.add_argument("addresses", nargs="+")
+    wait.add_argument("--timeout", type=float, default=10.0, help="seconds")
+    args = parser.parse_args(argv)
+
+    if args.command == "tcp":
+        output: dict = {"results": [tcp_once(args.address, args.port) for _ in range(args.count)]}
+    elif args.command == "udp-connected":
+        output = {
+            "results": [udp_connected_once(args.address, args.port) for _ in range(args.count)]
+        }
+    elif args.command == "udp-unconnected":
+        output = {"results": udp_unconnected(args.address, args.port, args.count, args.sockets)}
+    elif args.command == "loop-tcp":
+        output = loop_tcp(args.address, args.port, args.duration)
+    else:
+        output = wait_listening(args.addresses, args.port, args.timeout)
+    json.dump(output, sys.stdout)
+    sys.stdout.write("\n")
+    return 1 if output.get("ready") is False else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
