@@ -1,0 +1,70 @@
+"""The agent's record of what it wants, for `kpr status` to read while it is down.
+
+bpffs holds only BPF objects, so the desired state, the source and the cgroup
+the programs are attached to are written as JSON under /run/kpr, one file per
+pin directory (a tmpfs, cleared with the pins at reboot). Written atomically.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from kpr.model import Frontend, FrontendState, Translation
+
+RUN_DIR = Path("/run/kpr")
+
+
+def path_for(pin_dir: Path) -> Path:
+    return RUN_DIR / (str(pin_dir.resolve()).strip("/").replace("/", "-") + ".json")
+
+
+@dataclass
+class RunState:
+    pin_dir: str
+    cgroup: str
+    source: str
+    pid: int = field(default_factory=os.getpid)
+    started: float = field(default_factory=time.time)
+    last_sync: float | None = None
+    desired: dict[str, dict] = field(default_factory=dict)  # str(frontend) -> state
+    held: list[str] = field(default_factory=list)
+    problems: list[str] = field(default_factory=list)
+    failed: list[str] = field(default_factory=list)
+
+    def record(self, translation: Translation, failed: set[Frontend]) -> None:
+        self.last_sync = time.time()
+        self.desired = {str(f): _state(s) for f, s in sorted(translation.frontends.items())}
+        self.held = sorted(str(f) for f in translation.held)
+        self.problems = [str(p) for p in translation.problems]
+        self.failed = sorted(str(f) for f in failed)
+
+    def save(self) -> None:
+        path = path_for(Path(self.pin_dir))
+        path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(asdict(self), indent=1))
+        tmp.replace(path)
+
+
+def _state(state: FrontendState) -> dict:
+    return {
+        "service": state.service,
+        "backends": [str(b) for b in state.backends],
+        "affinity_timeout": state.affinity_timeout,
+    }
+
+
+def load(pin_dir: Path) -> RunState | None:
+    path = path_for(pin_dir)
+    try:
+        return RunState(**json.loads(path.read_text()))
+    except (FileNotFoundError, json.JSONDecodeError, TypeError):
+        return None
+
+
+def remove(pin_dir: Path) -> None:
+    path_for(pin_dir).unlink(missing_ok=True)

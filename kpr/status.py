@@ -1,0 +1,152 @@
+"""`kpr status`: what the pinned maps hold, read without the agent.
+
+`report()` gathers; `drift()` is pure; `render()` formats for a terminal.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+from kpr import runstate
+from kpr.datapath import loader
+from kpr.datapath.maps import BpfMaps
+from kpr.datapath.plan import ProgrammedState
+
+
+def programmed_view(programmed: ProgrammedState) -> dict[str, list[str]]:
+    """str(frontend) -> backends as the maps hold them, in slot order."""
+    return {
+        str(frontend): [
+            str(programmed.backends[b]) if b in programmed.backends else f"<missing #{b}>"
+            for b in service.slots
+        ]
+        for frontend, service in programmed.services.items()
+    }
+
+
+def drift(desired: dict[str, dict], held: list[str], programmed: dict[str, list[str]]) -> list[str]:
+    """Differences between what the agent last wanted and what the maps hold."""
+    out = []
+    for frontend, want in sorted(desired.items()):
+        have = programmed.get(frontend)
+        if have is None:
+            out.append(f"{frontend} ({want['service']}): missing from the maps")
+        elif sorted(have) != sorted(want["backends"]):
+            out.append(
+                f"{frontend} ({want['service']}): maps hold {len(have)} backends "
+                f"{sorted(set(have) - set(want['backends']))[:5]} extra, "
+                f"{sorted(set(want['backends']) - set(have))[:5]} missing"
+            )
+    for frontend in sorted(programmed.keys() - desired.keys() - set(held)):
+        out.append(f"{frontend}: in the maps but not wanted")
+    return out
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def report(pin_dir: Path) -> dict:
+    if not pin_dir.is_dir():
+        raise FileNotFoundError(
+            f"No kpr maps are pinned at {pin_dir}: kpr has not run here (or `kpr cleanup` "
+            f"removed them). Start it with `kpr run`, or pass the --bpffs it runs with."
+        )
+    maps = BpfMaps(pin_dir)
+    try:
+        programmed = maps.read()
+        counters = maps.stats()
+        fill = maps.fill()
+    finally:
+        maps.close()
+    view = programmed_view(programmed)
+    state = runstate.load(pin_dir)
+    desired = state.desired if state else {}
+    ids = {str(f): s.service_id for f, s in programmed.services.items()}
+    services = []
+    for frontend in sorted(view):
+        want = desired.get(frontend, {})
+        services.append(
+            {
+                "frontend": frontend,
+                "service": want.get("service", "?"),
+                "service_id": ids[frontend],
+                "backends": view[frontend],
+            }
+        )
+    agent = None
+    if state:
+        agent = {
+            "pid": state.pid,
+            "running": _alive(state.pid),
+            "source": state.source,
+            "cgroup": state.cgroup,
+            "last_sync": state.last_sync,
+            "problems": state.problems,
+            "failed": state.failed,
+        }
+    return {
+        "pin_dir": str(pin_dir),
+        "agent": agent,
+        "attached": loader.attached_hooks(Path(state.cgroup), pin_dir) if state else {},
+        "services": services,
+        "maps": {
+            name: {"entries": used, "max_entries": size, "fill": round(used / size, 4)}
+            for name, (used, size) in fill.items()
+        },
+        "counters": counters,
+        "drift": drift(desired, state.held if state else [], view) if state else [],
+    }
+
+
+def render(status: dict) -> str:
+    lines = []
+    agent = status["agent"]
+    if agent:
+        when = (
+            time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(agent["last_sync"]))
+            if agent["last_sync"]
+            else "never"
+        )
+        running = "running" if agent["running"] else "not running"
+        lines.append(f"agent:     pid {agent['pid']} ({running}), last sync {when}")
+        lines.append(f"source:    {agent['source']}")
+        attached = status["attached"]
+        hooks = ", ".join(h for h, ok in attached.items() if ok) or "none"
+        lines.append(f"cgroup:    {agent['cgroup']}")
+        lines.append(f"attached:  {hooks}")
+        missing = [h for h, ok in attached.items() if not ok]
+        if missing:
+            lines.append(f"DETACHED:  {', '.join(missing)}")
+    else:
+        lines.append("agent:     no record (maps only)")
+    lines.append(f"pins:      {status['pin_dir']}")
+    lines.append("")
+    lines.append(f"services ({len(status['services'])} frontends):")
+    for svc in status["services"]:
+        backends = ", ".join(svc["backends"]) or "no endpoints: connections refused"
+        lines.append(f"  {svc['frontend']:<28} {svc['service']:<28} -> {backends}")
+    lines.append("")
+    lines.append("maps:")
+    for name, m in status["maps"].items():
+        lines.append(f"  {name:<18} {m['entries']:>8} / {m['max_entries']:<8} {m['fill']:.1%}")
+    lines.append("")
+    lines.append("counters:  " + ", ".join(f"{k}={v}" for k, v in status["counters"].items()))
+    lines.append("")
+    if status["drift"]:
+        lines.append(f"drift ({len(status['drift'])}):")
+        lines.extend(f"  {d}" for d in status["drift"][:50])
+    else:
+        lines.append("drift:     none (maps match what the agent wants)")
+    if agent and agent["problems"]:
+        lines.append(f"problems ({len(agent['problems'])}):")
+        lines.extend(f"  {p}" for p in agent["problems"][:50])
+    return "\n".join(lines)

@@ -1,0 +1,70 @@
+"""Fixtures for tests on the real kernel: each probes for what it needs and
+skips with the reason when it is missing, and cleans up even on failure."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import uuid
+from pathlib import Path
+
+import pytest
+
+from kpr import host
+
+
+def _skip_unless_kernel_ready() -> None:
+    if os.geteuid() != 0:
+        pytest.skip("needs root: loads BPF programs and makes network namespaces")
+    try:
+        host.require_bcc()
+        host.require_kernel_headers()
+        host.cgroup2_root()
+    except host.SetupError as err:
+        pytest.skip(str(err))
+    if shutil.which("ip") is None:
+        pytest.skip("needs iproute2's `ip` for network namespaces")
+
+
+@pytest.fixture
+def pin_dir():
+    """A pin directory of this test's own on bpffs, removed afterwards."""
+    _skip_unless_kernel_ready()
+    path = Path("/sys/fs/bpf") / f"kpr-test-{uuid.uuid4().hex[:8]}"
+    host.ensure_bpffs(path)
+    yield path
+    from kpr import runstate
+
+    runstate.remove(path)
+    shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture
+def cgroup():
+    """A child cgroup v2 directory; never the root, whose hooks would rewrite the
+    whole machine's connections."""
+    _skip_unless_kernel_ready()
+    path = host.cgroup2_root() / f"kpr-test-{uuid.uuid4().hex[:8]}"
+    path.mkdir()
+    yield path
+    from kpr.datapath import loader
+
+    loader.detach(path)
+    for pid in (path / "cgroup.procs").read_text().split():
+        subprocess.run(["kill", "-9", pid], check=False)
+    path.rmdir()
+
+
+@pytest.fixture(scope="session")
+def compiled_bpf(tmp_path_factory):
+    """The socket LB program compiled by BCC into a throwaway pin directory."""
+    _skip_unless_kernel_ready()
+    from kpr.datapath import abi, loader
+
+    path = Path("/sys/fs/bpf") / f"kpr-abi-{uuid.uuid4().hex[:8]}"
+    host.ensure_bpffs(path)
+    try:
+        yield loader.compile_and_pin(path, abi.MapSizes(1024, 1024, 1024, 1024))
+    finally:
+        shutil.rmtree(path, ignore_errors=True)

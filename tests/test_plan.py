@@ -1,0 +1,171 @@
+"""Planning and ordered writes, against the in-memory maps (no root needed)."""
+
+from __future__ import annotations
+
+from ipaddress import ip_address
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kpr.datapath.maps import MemoryMaps, consistent, execute
+from kpr.datapath.plan import apply_plan, assign_slots, plan
+from kpr.model import Backend, Frontend, FrontendState, Translation
+
+
+def fe(n: int, protocol: str = "TCP") -> Frontend:
+    return Frontend(ip_address(f"10.96.0.{n}"), 80, protocol)
+
+
+def be(n: int) -> Backend:
+    return Backend(ip_address(f"10.244.0.{n}"), 8080)
+
+
+def want(**frontends: list[int]) -> Translation:
+    """want(a=[1, 2]) -> frontend 10.96.0.1 with backends .1 and .2, b -> .2, ..."""
+    out = Translation()
+    for name, backends in frontends.items():
+        n = ord(name) - ord("a") + 1
+        out.frontends[fe(n)] = FrontendState(f"default/{name}", tuple(be(b) for b in backends))
+    return out
+
+
+def strict_maps() -> MemoryMaps:
+    def check(maps: MemoryMaps) -> None:
+        faults = consistent(maps)
+        assert not faults, faults
+
+    return MemoryMaps(check=check)
+
+
+def sync(maps: MemoryMaps, translation: Translation) -> int:
+    steps = plan(maps.read(), translation)
+    result = execute(maps, steps)
+    assert not result.failed
+    return steps.writes()
+
+
+def served(maps: MemoryMaps) -> dict[Frontend, set[Backend]]:
+    state = maps.read()
+    return {f: {state.backends[b] for b in s.slots} for f, s in state.services.items()}
+
+
+def test_new_services_are_written_and_readable():
+    maps = strict_maps()
+    sync(maps, want(a=[1, 2, 3], b=[]))
+    assert served(maps) == {fe(1): {be(1), be(2), be(3)}, fe(2): set()}
+
+
+def test_a_second_sync_of_the_same_state_writes_nothing():
+    maps = strict_maps()
+    sync(maps, want(a=[1, 2], b=[2, 3]))
+    assert sync(maps, want(a=[1, 2], b=[2, 3])) == 0
+
+
+def test_backends_shared_by_services_are_written_once():
+    maps = strict_maps()
+    sync(maps, want(a=[1, 2], b=[1, 2]))
+    assert len(maps.backends) == 2
+
+
+def test_scale_down_and_up_keep_every_intermediate_state_consistent():
+    maps = strict_maps()  # asserts after every single map operation
+    sync(maps, want(a=[1, 2, 3, 4, 5]))
+    sync(maps, want(a=[2, 5]))
+    assert served(maps) == {fe(1): {be(2), be(5)}}
+    sync(maps, want(a=[2, 5, 6, 7, 8, 9]))
+    assert served(maps) == {fe(1): {be(2), be(5), be(6), be(7), be(8), be(9)}}
+
+
+def test_removed_service_leaves_no_entries_behind():
+    maps = strict_maps()
+    sync(maps, want(a=[1, 2], b=[3]))
+    sync(maps, want(b=[3]))
+    assert served(maps) == {fe(2): {be(3)}}
+    assert set(maps.backends.values()) == {be(3)}
+    assert len(maps.revnat) == 1
+    assert len(maps.services) == 2  # b's master and its one slot
+
+
+def test_unchanged_backends_keep_their_slots():
+    assert assign_slots([1, 2, 3, 4], [1, 3, 4, 5]) == [1, 5, 3, 4]
+    assert assign_slots([1, 2, 3, 4], [1, 4]) == [1, 4]
+    assert assign_slots([1, 2], [1, 2, 3]) == [1, 2, 3]
+
+
+def test_held_frontend_is_left_as_programmed():
+    maps = strict_maps()
+    sync(maps, want(a=[1, 2], b=[3]))
+    translation = want(b=[4])
+    translation.held.add(fe(1))
+    sync(maps, translation)
+    assert served(maps) == {fe(1): {be(1), be(2)}, fe(2): {be(4)}}
+
+
+def test_adopting_existing_maps_writes_only_the_difference():
+    maps = strict_maps()
+    sync(maps, want(a=[1, 2, 3], b=[4, 5]))
+    steps = plan(maps.read(), want(a=[1, 2, 3], b=[4, 6]))
+    assert steps.slot_writes and not steps.master_writes
+    assert list(steps.backend_writes.values()) == [be(6)]
+    assert list(steps.backend_deletes.values()) == [be(5)]
+
+
+def test_full_map_keeps_the_previous_state_of_the_failing_service():
+    maps = MemoryMaps(capacity=6)
+    sync(maps, want(a=[1, 2]))  # 3 service entries, 2 backends, 1 revnat
+    steps = plan(maps.read(), want(a=[1, 2], b=[3, 4, 5, 6, 7]))
+    result = execute(maps, steps)
+    assert result.failed == {fe(2)}
+    assert "map full" in result.errors[0]
+    assert served(maps)[fe(1)] == {be(1), be(2)}
+    assert fe(2) not in served(maps)
+
+
+def test_stray_slots_from_an_interrupted_write_are_removed():
+    maps = strict_maps()
+    sync(maps, want(a=[1, 2]))
+    maps.check = None
+    maps.services[(fe(1), 7)] = maps.services[(fe(1), 1)]  # above the count
+    sync(maps, want(a=[1, 2]))
+    assert (fe(1), 7) not in maps.services
+
+
+def test_apply_plan_predicts_what_the_maps_hold():
+    maps = strict_maps()
+    predicted = maps.read()
+    for translation in (want(a=[1, 2, 3]), want(a=[3, 4], b=[1]), want(b=[1, 2]), want()):
+        steps = plan(predicted, translation)
+        execute(maps, steps)
+        apply_plan(predicted, steps)
+        assert predicted.services == maps.read().services
+        assert predicted.backends == maps.read().backends
+
+
+backend_sets = st.lists(st.integers(min_value=1, max_value=12), max_size=8, unique=True)
+states = st.dictionaries(st.sampled_from("abcde"), backend_sets, max_size=5)
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(states, min_size=1, max_size=6))
+def test_any_sequence_of_updates_ends_equal_to_the_last_translation(sequence):
+    maps = strict_maps()  # no intermediate state has a master count above its slots
+    for step in sequence:
+        sync(maps, want(**step))
+    last = sequence[-1]
+    assert served(maps) == {fe(ord(k) - 96): {be(b) for b in v} for k, v in last.items()}
+    referenced = {b for s in maps.read().services.values() for b in s.slots}
+    assert set(maps.backends) == referenced
+
+
+@pytest.mark.parametrize("protocol", ["TCP", "UDP"])
+def test_tcp_and_udp_on_one_port_are_two_frontends(protocol):
+    maps = strict_maps()
+    translation = Translation(
+        {
+            fe(1, "TCP"): FrontendState("default/dns:tcp", (be(1),)),
+            fe(1, "UDP"): FrontendState("default/dns:udp", (be(2),)),
+        }
+    )
+    sync(maps, translation)
+    assert served(maps)[fe(1, protocol)] == {be(1) if protocol == "TCP" else be(2)}
