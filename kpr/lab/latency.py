@@ -1,0 +1,61 @@
+"""connect() latency from inside a Lab, measured by a small C client (connect_latency.c).
+
+C rather than Python so the interpreter's overhead does not drown the microseconds a socket
+load balancer adds or saves. The binary is built with gcc on first use and cached by source hash.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+import tempfile
+from pathlib import Path
+
+from kpr.lab.netns import Lab
+
+SOURCE = Path(__file__).with_name("connect_latency.c")
+
+
+def _cache_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "kpr"
+
+
+def build_client() -> Path:
+    """Compile connect_latency.c unless a binary of this exact source is cached; return its path."""
+    source = SOURCE.read_bytes()
+    binary = _cache_dir() / f"connect_latency-{hashlib.sha256(source).hexdigest()[:16]}"
+    if binary.exists():
+        return binary
+    binary.parent.mkdir(parents=True, exist_ok=True)
+    # Build beside the target and rename: concurrent builders never see a half-written file.
+    with tempfile.TemporaryDirectory(dir=binary.parent) as build_dir:
+        built = Path(build_dir) / binary.name
+        compiled = subprocess.run(
+            ["gcc", "-O2", "-Wall", "-Wextra", "-Werror", "-o", str(built), str(SOURCE)],
+            capture_output=True,
+            text=True,
+            check=False,
+        )
+        if compiled.returncode != 0:
+            raise RuntimeError(f"building {SOURCE.name} failed:\n{compiled.stderr}")
+        os.replace(built, binary)
+    return binary
+
+
+def measure(lab: Lab, targets: list[tuple[str, int]], count: int) -> dict:
+    """Time ``count`` TCP connects from the lab's node netns and cgroup, round robin over
+    ``targets``; returns count, ok, failures, errors (by errno name) and min/p50/p90/p99/max/
+    mean in ns (None when nothing connected)."""
+    if not targets:
+        raise ValueError("measure() needs at least one target")
+    (address, port), *rest = targets
+    argv = [str(build_client()), address, str(port), str(count)]
+    for more_address, more_port in rest:
+        argv += [more_address, str(more_port)]
+    done = lab.run_client(argv, timeout=max(60.0, count * 0.01))
+    if done.returncode != 0:
+        raise RuntimeError(f"connect_latency failed ({done.returncode}): {done.stderr.strip()}")
+    return json.loads(done.stdout)
