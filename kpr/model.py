@@ -108,13 +108,23 @@ class NodeContext:
 # --- Desired datapath state ----------------------------------------------------------
 
 
-@dataclass(frozen=True, order=True)
+def _sort_key(address: IPAddress, *rest: object) -> tuple:
+    # IPv4Address and IPv6Address refuse to compare with each other
+    return (address.version, int(address), *rest)
+
+
+@dataclass(frozen=True)
 class Frontend:
     """One address:port/protocol the datapath answers for."""
 
     address: IPAddress
     port: int
     protocol: str  # "TCP" | "UDP"
+
+    def __lt__(self, other: Frontend) -> bool:
+        return _sort_key(self.address, self.port, self.protocol) < _sort_key(
+            other.address, other.port, other.protocol
+        )
 
     @property
     def family(self) -> int:
@@ -125,10 +135,13 @@ class Frontend:
         return f"{host}:{self.port}/{self.protocol}"
 
 
-@dataclass(frozen=True, order=True)
+@dataclass(frozen=True)
 class Backend:
     address: IPAddress
     port: int
+
+    def __lt__(self, other: Backend) -> bool:
+        return _sort_key(self.address, self.port) < _sort_key(other.address, other.port)
 
     def __str__(self) -> str:
         host = f"[{self.address}]" if self.address.version == 6 else str(self.address)

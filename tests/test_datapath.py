@@ -1,0 +1,192 @@
+"""The socket hooks on the real kernel: real sockets from a child cgroup inside a
+network-namespace lab, to backends that are real listeners in pod namespaces."""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from collections import Counter
+
+import pytest
+
+from kpr.agent import Agent, AgentConfig
+from kpr.datapath.maps import BpfMaps
+from kpr.lab.netns import Lab
+from kpr.model import NodeContext
+from kpr.sources.manifests import ManifestSource
+from tests import kube
+
+VIP4, VIP6 = "10.96.0.10", "fd00:96::10"
+PORTS = [("http", 80, "TCP"), ("dns", 53, "UDP")]
+POD_PORTS = [("http", 8080, "TCP"), ("dns", 8080, "UDP")]
+
+
+@pytest.fixture(scope="module")
+def lab():
+    from tests.conftest import _skip_unless_kernel_ready
+
+    _skip_unless_kernel_ready()
+    with Lab(pods=3) as lab:
+        yield lab
+
+
+class Cluster:
+    """A manifest directory, and an in-process agent syncing it into the maps."""
+
+    def __init__(self, lab: Lab, directory, pin_dir) -> None:
+        self.lab = lab
+        self.directory = directory
+        self.source = ManifestSource(directory)
+        config = AgentConfig(pin_dir=pin_dir, cgroup=lab.cgroup, node=NodeContext("node-1"))
+        self.agent = Agent(self.source, f"manifests:{directory}", config)
+        self.agent.start()
+
+    def apply(self, filename: str, *objects: dict) -> None:
+        kube.write(self.directory, filename, *objects)
+        self.sync()
+
+    def sync(self) -> None:
+        snapshot = self.source.poll()
+        assert snapshot is not None, "the source did not notice the change"
+        self.agent.sync(snapshot)
+
+    def probe(self, *args: str | int) -> list[dict]:
+        argv = [sys.executable, "-m", "kpr.lab.probe", *map(str, args)]
+        result = self.lab.run_client(argv)
+        assert result.returncode == 0, result.stderr
+        return json.loads(result.stdout)["results"]
+
+    def echo(self, pods: list[int] | None = None, **spec) -> None:
+        """Service default/echo (dual-stack, http/TCP and dns/UDP) on the lab's pods."""
+        chosen = [self.lab.pods[i] for i in (pods if pods is not None else range(3))]
+        self.apply(
+            "echo.yaml",
+            kube.service("echo", [VIP4, VIP6], PORTS, **spec),
+            kube.endpoint_slice("echo", [str(p.ipv4) for p in chosen], POD_PORTS),
+            kube.endpoint_slice("echo", [str(p.ipv6) for p in chosen], POD_PORTS),
+        )
+
+
+@pytest.fixture
+def cluster(lab, tmp_path, pin_dir):
+    cluster = Cluster(lab, tmp_path, pin_dir)
+    yield cluster
+    from kpr.datapath import loader
+
+    loader.detach(lab.cgroup)
+    cluster.agent.maps.close()
+
+
+def pod_names(lab: Lab) -> set[str]:
+    return {p.name for p in lab.pods}
+
+
+@pytest.mark.parametrize("vip", [VIP4, VIP6])
+def test_tcp_connect_to_the_cluster_ip_reaches_a_backend(cluster, vip):
+    cluster.echo()
+    results = cluster.probe("tcp", vip, 80, "--count", 30)
+    assert all("error" not in r for r in results), results
+    assert {r["pod"] for r in results} <= pod_names(cluster.lab)
+
+
+@pytest.mark.parametrize("vip,shown", [(VIP4, f"{VIP4}:80"), (VIP6, f"[{VIP6}]:80")])
+def test_getpeername_shows_the_service_address_not_the_backend(cluster, vip, shown):
+    cluster.echo()
+    results = cluster.probe("tcp", vip, 80, "--count", 5)
+    assert {r["peer"] for r in results} == {shown}
+
+
+@pytest.mark.parametrize("vip,shown", [(VIP4, f"{VIP4}:53"), (VIP6, f"[{VIP6}]:53")])
+def test_connected_udp_reaches_a_backend_and_shows_the_service(cluster, vip, shown):
+    cluster.echo()
+    results = cluster.probe("udp-connected", vip, 53, "--count", 10)
+    assert all("error" not in r for r in results), results
+    assert {r["pod"] for r in results} <= pod_names(cluster.lab)
+    assert {r["peer"] for r in results} == {shown}
+
+
+@pytest.mark.parametrize("vip,shown", [(VIP4, f"{VIP4}:53"), (VIP6, f"[{VIP6}]:53")])
+def test_unconnected_udp_replies_come_from_the_service_address(cluster, vip, shown):
+    cluster.echo()
+    results = cluster.probe("udp-unconnected", vip, 53, "--count", 5, "--sockets", 12)
+    assert all("error" not in r for r in results), results
+    assert {r["source"] for r in results} == {shown}  # what recvfrom() reported
+    by_socket: dict[int, set[str]] = {}
+    for r in results:
+        by_socket.setdefault(r["socket"], set()).add(r["pod"])
+    # one socket's datagrams stay on one backend; different sockets spread out
+    assert all(len(pods) == 1 for pods in by_socket.values()), by_socket
+    assert len(set.union(*by_socket.values())) > 1
+
+
+def test_service_without_endpoints_refuses_at_once(cluster):
+    cluster.echo(pods=[])
+    assert {r.get("error") for r in cluster.probe("tcp", VIP4, 80, "--count", 3)} == {
+        "ECONNREFUSED"
+    }
+    assert {r.get("error") for r in cluster.probe("tcp", VIP6, 80, "--count", 3)} == {
+        "ECONNREFUSED"
+    }
+    counters = BpfMaps(cluster.agent.config.pin_dir).stats()
+    assert counters["no_backend"] >= 6
+
+
+def test_tcp_and_udp_on_the_same_port_are_separate_services(cluster):
+    lab = cluster.lab
+    a, b = lab.pods[0], lab.pods[1]
+    cluster.apply(
+        "dns.yaml",
+        kube.service("dns", ["10.96.0.53"], [("tcp", 53, "TCP"), ("udp", 53, "UDP")]),
+        kube.endpoint_slice("dns", [str(a.ipv4)], [("tcp", 8080, "TCP")], name="dns-tcp"),
+        kube.endpoint_slice("dns", [str(b.ipv4)], [("udp", 8080, "UDP")], name="dns-udp"),
+    )
+    assert {r["pod"] for r in cluster.probe("tcp", "10.96.0.53", 53, "--count", 10)} == {a.name}
+    udp = cluster.probe("udp-connected", "10.96.0.53", 53, "--count", 10)
+    assert {r["pod"] for r in udp} == {b.name}
+
+
+def test_connections_spread_evenly_over_backends(cluster):
+    cluster.echo()
+    n = 3000
+    counts = Counter(r["pod"] for r in cluster.probe("tcp", VIP4, 80, "--count", n))
+    assert sum(counts.values()) == n
+    # chi-square goodness of fit against uniform over 3 backends (2 degrees of
+    # freedom: P(X > x) = exp(-x/2)); fails wrongly once in a million runs
+    expected = n / 3
+    chi2 = sum((counts[p.name] - expected) ** 2 / expected for p in cluster.lab.pods)
+    assert chi2 < 2 * math.log(1e6), counts
+
+
+def test_removed_backend_gets_no_new_connections(cluster):
+    cluster.echo()
+    cluster.echo(pods=[0, 1])
+    results = cluster.probe("tcp", VIP4, 80, "--count", 200)
+    assert {r["pod"] for r in results} == {cluster.lab.pods[0].name, cluster.lab.pods[1].name}
+
+
+def test_endpoint_churn_never_fails_a_connect(cluster):
+    cluster.echo()
+    client = cluster.lab.popen_client(
+        [sys.executable, "-m", "kpr.lab.probe", "loop-tcp", VIP4, "80", "--duration", "4"],
+        stdout=-1,
+        text=True,
+    )
+    for pods in ([0], [0, 1], [1, 2], [2], [0, 1, 2], [0, 2]) * 4:
+        cluster.echo(pods=pods)
+    out, _ = client.communicate(timeout=30)
+    summary = json.loads(out)
+    assert summary["errors"] == []
+    assert sum(summary["counts"].values()) > 50
+
+
+def test_maps_match_after_churn_and_leave_no_unused_backends(cluster):
+    for pods in ([0, 1, 2], [1], [], [2, 0]):
+        cluster.echo(pods=pods)
+    state = BpfMaps(cluster.agent.config.pin_dir).read()
+    assert len(state.services) == 4  # 2 addresses x (http, dns)
+    used = {b for s in state.services.values() for b in s.slots}
+    assert set(state.backends) == used
+    assert {str(state.backends[b].address) for b in used} == {
+        str(cluster.lab.pods[i].ipv4) for i in (0, 2)
+    } | {str(cluster.lab.pods[i].ipv6) for i in (0, 2)}
