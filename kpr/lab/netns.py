@@ -29,6 +29,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from ipaddress import IPv4Address, IPv4Network, IPv6Address, IPv6Network
 from pathlib import Path
 from typing import IO
@@ -120,7 +121,11 @@ class Lab:
     # -- clients -------------------------------------------------------------------------------
 
     def node_command(self, argv: list[str]) -> list[str]:
-        """``argv`` wrapped to run in the node netns."""
+        """``argv`` wrapped to run in the node netns.
+
+        `ip netns exec` gives the command a private mount namespace with a fresh sysfs on /sys,
+        so /sys/fs/cgroup and /sys/fs/bpf are empty in there: do cgroup and bpffs work outside.
+        """
         return ["ip", "netns", "exec", self.node_netns, *argv]
 
     def popen_client(self, argv: list[str], **kw: object) -> subprocess.Popen:
@@ -161,7 +166,9 @@ class Lab:
 
     def remove_pod(self, name: str) -> None:
         """Stop a pod's server and delete its netns; its addresses are not reused by this Lab."""
-        pod = next(pod for pod in self.pods if pod.name == name)
+        pod = next((pod for pod in self.pods if pod.name == name), None)
+        if pod is None:
+            raise KeyError(f"no pod {name!r} in lab {self.lab_id}")
         self.pods.remove(pod)
         self._stop_server(name)
         # Deleting the node side first makes the pod vanish from the bridge at once; netns
@@ -269,24 +276,26 @@ class Lab:
         """Remove clients, servers, namespaces and the cgroup; safe to call more than once."""
         if self._closed:
             return
-        self._closed = True
         failures: list[str] = []
-        steps: list[tuple[str, Callable[[], None]]] = [
-            (f"cgroup {self.cgroup}", lambda: _remove_cgroup(self.cgroup))
-        ]
-        steps += [(f"server {name}", lambda n=name: self._stop_server(n)) for name in self._servers]
-        # By name prefix rather than by self.pods: also catches a netns whose set-up was cut
-        # short before it was recorded.
-        steps += [
-            (f"netns {name}", lambda n=name: _delete_netns(n))
-            for name in _netns_names()
-            if name.startswith(f"{self.lab_id}-")
-        ]
-        for what, step in steps:
+
+        def attempt(what: str, action: Callable[[], object]) -> None:
             try:
-                step()
+                action()
             except Exception as exc:  # keep going: one failed step must not leak the rest
                 failures.append(f"{what}: {exc}")
+
+        attempt(f"cgroup {self.cgroup}", partial(_remove_cgroup, self.cgroup))
+        for name in list(self._servers):
+            attempt(f"server {name}", partial(self._stop_server, name))
+        # By name prefix rather than by self.pods: also catches a netns whose set-up was cut
+        # short before it was recorded.
+        names: list[str] = []
+        attempt("listing netns", lambda: names.extend(_netns_names()))
+        for name in names:
+            if name.startswith(f"{self.lab_id}-"):
+                attempt(f"netns {name}", partial(_delete_netns, name))
+        # Marked only now: a SIGTERM that cuts this short leaves the lab for atexit to retry.
+        self._closed = True
         self.pods.clear()
         _live_labs.discard(self)
         if failures:
