@@ -107,8 +107,11 @@ class ManifestSource:
             documents = _load(self.directory / name)
         except _FileError as error:
             kept = self._definitions.get(name, [])
+            plural = "" if len(kept) == 1 else "s"
             consequence = (
-                f"keeping the {len(kept)} objects it defined before" if kept else "nothing used"
+                f"keeping the {len(kept)} object{plural} it defined before"
+                if kept
+                else "nothing from it is used"
             )
             problems.append(Problem(f"{error}; {consequence}", source=name))
             return kept

@@ -1,0 +1,374 @@
+"""Validation of API-shaped Service and EndpointSlice dicts (kpr/objects.py)."""
+
+from __future__ import annotations
+
+from ipaddress import ip_address
+from typing import Any
+
+import pytest
+
+from kpr.model import Endpoint, EndpointPort, ObjectRef, ServicePort
+from kpr.objects import (
+    ObjectError,
+    parse_endpoint_slice,
+    parse_object,
+    parse_service,
+)
+
+
+def service_dict(**spec: Any) -> dict[str, Any]:
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": {"name": "web", "namespace": "shop"},
+        "spec": {"clusterIP": "10.96.0.1", "ports": [{"port": 80}], **spec},
+    }
+
+
+def slice_dict(
+    endpoints: list[dict[str, Any]] | None = None,
+    address_type: str = "IPv4",
+    ports: list[dict[str, Any]] | None = None,
+) -> dict[str, Any]:
+    return {
+        "apiVersion": "discovery.k8s.io/v1",
+        "kind": "EndpointSlice",
+        "metadata": {
+            "name": "web-abc12",
+            "namespace": "shop",
+            "labels": {"kubernetes.io/service-name": "web"},
+        },
+        "addressType": address_type,
+        "endpoints": endpoints if endpoints is not None else [{"addresses": ["10.244.0.5"]}],
+        "ports": ports if ports is not None else [{"name": "", "port": 8080, "protocol": "TCP"}],
+    }
+
+
+def error_of(parse: Any, obj: dict[str, Any]) -> ObjectError:
+    with pytest.raises(ObjectError) as caught:
+        parse(obj)
+    return caught.value
+
+
+# --- Service ---------------------------------------------------------------------
+
+
+def test_service_defaults_are_the_api_defaults() -> None:
+    service = parse_service(service_dict())
+    assert service.type == "ClusterIP"
+    assert service.cluster_ips == (ip_address("10.96.0.1"),)
+    assert service.ports == (ServicePort(name="", protocol="TCP", port=80),)
+    assert service.session_affinity == "None"
+    assert service.affinity_timeout == 10800
+    assert service.internal_traffic_policy == "Cluster"
+    assert service.external_traffic_policy == "Cluster"
+
+
+def test_namespace_defaults_to_default() -> None:
+    obj = service_dict()
+    del obj["metadata"]["namespace"]
+    assert parse_service(obj).ref == ObjectRef("Service", "default", "web")
+
+
+def test_service_reads_ports_policies_affinity_and_external_ips() -> None:
+    service = parse_service(
+        service_dict(
+            type="NodePort",
+            ports=[
+                {"name": "http", "port": 80, "protocol": "TCP", "nodePort": 30080},
+                {"name": "dns", "port": 53, "protocol": "UDP", "targetPort": 5353},
+            ],
+            externalIPs=["192.0.2.7"],
+            sessionAffinity="ClientIP",
+            sessionAffinityConfig={"clientIP": {"timeoutSeconds": 60}},
+            internalTrafficPolicy="Local",
+            externalTrafficPolicy="Local",
+        )
+    )
+    assert service.type == "NodePort"
+    assert service.ports == (
+        ServicePort("http", "TCP", 80, node_port=30080),
+        ServicePort("dns", "UDP", 53),
+    )
+    assert service.external_ips == (ip_address("192.0.2.7"),)
+    assert (service.session_affinity, service.affinity_timeout) == ("ClientIP", 60)
+    assert service.internal_traffic_policy == service.external_traffic_policy == "Local"
+
+
+def test_client_ip_affinity_timeout_defaults_to_10800() -> None:
+    service = parse_service(service_dict(sessionAffinity="ClientIP"))
+    assert service.affinity_timeout == 10800
+
+
+def test_dual_stack_cluster_ips_come_from_cluster_ips() -> None:
+    service = parse_service(service_dict(clusterIPs=["10.96.0.1", "fd00:96::1"]))
+    assert service.cluster_ips == (ip_address("10.96.0.1"), ip_address("fd00:96::1"))
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [{"clusterIP": "None"}, {"clusterIP": ""}, {"clusterIP": "None", "clusterIPs": ["None"]}, {}],
+    ids=["None", "empty", "clusterIPs None", "missing"],
+)
+def test_headless_service_has_no_cluster_ips(spec: dict[str, Any]) -> None:
+    obj = service_dict(**spec)
+    if not spec:
+        del obj["spec"]["clusterIP"]
+    assert parse_service(obj).cluster_ips == ()
+
+
+def test_labels_are_kept() -> None:
+    obj = service_dict()
+    obj["metadata"]["labels"] = {"service.kubernetes.io/service-proxy-name": "kpr"}
+    assert parse_service(obj).labels == {"service.kubernetes.io/service-proxy-name": "kpr"}
+
+
+@pytest.mark.parametrize(
+    ("spec", "field", "message"),
+    [
+        ({"clusterIP": "10.96.0.300"}, "spec.clusterIP", "not a valid IP address"),
+        ({"clusterIPs": ["10.96.0.1", "nope"]}, "spec.clusterIPs[1]", "not a valid IP address"),
+        ({"clusterIPs": ["10.96.0.1", "10.96.0.2"]}, "spec.clusterIPs[1]", "other IP family"),
+        ({"clusterIPs": ["10.96.0.2"]}, "spec.clusterIP", "differs from spec.clusterIPs[0]"),
+        ({"externalIPs": ["192.0.2.1", "x"]}, "spec.externalIPs[1]", "not a valid IP address"),
+        ({"externalIPs": "192.0.2.1"}, "spec.externalIPs", "must be a list"),
+        ({"ports": [{"port": 0}]}, "spec.ports[0].port", "0 is not a valid port (1-65535)"),
+        (
+            {"ports": [{"name": "a", "port": 80}, {"name": "b", "port": 65536}]},
+            "spec.ports[1].port",
+            "65536 is not a valid port (1-65535)",
+        ),
+        ({"ports": [{"port": 80, "nodePort": 0}]}, "spec.ports[0].nodePort", "not a valid port"),
+        ({"ports": [{"port": 80, "nodePort": 70000}]}, "spec.ports[0].nodePort", "valid port"),
+        ({"ports": [{"port": "80"}]}, "spec.ports[0].port", "must be an integer"),
+        ({"ports": [{"port": True}]}, "spec.ports[0].port", "must be an integer"),
+        ({"ports": [{}]}, "spec.ports[0].port", "must be an integer"),
+        ({"ports": [{"port": 80, "protocol": "ICMP"}]}, "spec.ports[0].protocol", "'ICMP'"),
+        ({"ports": [{"port": 80, "protocol": "tcp"}]}, "spec.ports[0].protocol", "TCP, UDP, SCTP"),
+        ({"ports": {"port": 80}}, "spec.ports", "must be a list, not dict"),
+        ({"ports": [80]}, "spec.ports[0]", "must be a mapping"),
+        ({"ports": [{"port": 80}, {"port": 81}]}, "spec.ports[1].name", "unique names"),
+        (
+            {"ports": [{"name": "a", "port": 80}, {"name": "b", "port": 80}]},
+            "spec.ports[1].port",
+            "80/TCP is also spec.ports[0]",
+        ),
+        ({"type": "Ingress"}, "spec.type", "'Ingress' is not one of"),
+        ({"sessionAffinity": "Cookie"}, "spec.sessionAffinity", "'Cookie'"),
+        (
+            {"sessionAffinityConfig": {"clientIP": {"timeoutSeconds": 0}}},
+            "spec.sessionAffinityConfig.clientIP.timeoutSeconds",
+            "between 1 and 86400",
+        ),
+        ({"internalTrafficPolicy": "Node"}, "spec.internalTrafficPolicy", "'Node'"),
+    ],
+)
+def test_invalid_service_field_is_an_error_naming_the_field(
+    spec: dict[str, Any], field: str, message: str
+) -> None:
+    error = error_of(parse_service, service_dict(**spec))
+    assert error.ref == ObjectRef("Service", "shop", "web")
+    assert error.field == field
+    assert message in error.message
+
+
+def test_error_message_names_object_and_field_path() -> None:
+    obj = service_dict(ports=[{"name": "a", "port": 80}, {"name": "b", "port": 65536}])
+    assert str(error_of(parse_service, obj)) == (
+        "Service shop/web: spec.ports[1].port: 65536 is not a valid port (1-65535)"
+    )
+
+
+def test_object_error_is_a_value_error() -> None:
+    assert issubclass(ObjectError, ValueError)
+
+
+@pytest.mark.parametrize("metadata", [{}, {"name": ""}, {"name": 7}, None])
+def test_missing_name_is_an_error(metadata: dict[str, Any] | None) -> None:
+    obj = service_dict()
+    obj["metadata"] = metadata
+    error = error_of(parse_service, obj)
+    assert error.ref is None
+    assert error.field == "metadata.name"
+    assert str(error) == "metadata.name: a Service must have a name"
+
+
+def test_label_values_must_be_strings() -> None:
+    obj = service_dict()
+    obj["metadata"]["labels"] = {"version": 2}
+    assert error_of(parse_service, obj).field == "metadata.labels[version]"
+
+
+def test_spec_of_the_wrong_type_is_an_error() -> None:
+    obj = service_dict()
+    obj["spec"] = ["clusterIP"]
+    assert error_of(parse_service, obj).field == "spec"
+
+
+# --- EndpointSlice -----------------------------------------------------------------
+
+
+def test_endpoint_conditions_default_ready_serving_not_terminating() -> None:
+    endpoint_slice = parse_endpoint_slice(slice_dict())
+    assert endpoint_slice.endpoints == (
+        Endpoint(
+            addresses=(ip_address("10.244.0.5"),), ready=True, serving=True, terminating=False
+        ),
+    )
+
+
+def test_slice_reads_owner_ports_conditions_node_zone_and_hints() -> None:
+    endpoint_slice = parse_endpoint_slice(
+        slice_dict(
+            endpoints=[
+                {
+                    "addresses": ["10.244.0.5", "10.244.0.6"],
+                    "conditions": {"ready": False, "serving": True, "terminating": True},
+                    "nodeName": "node-1",
+                    "zone": "zone-a",
+                    "hints": {"forNodes": [{"name": "node-1"}], "forZones": [{"name": "zone-a"}]},
+                }
+            ],
+            ports=[{"name": "http", "port": 8080, "protocol": "TCP"}, {"name": "dns"}],
+        )
+    )
+    assert endpoint_slice.service_name == "web"
+    assert endpoint_slice.address_type == "IPv4"
+    assert endpoint_slice.ports == (
+        EndpointPort("http", "TCP", 8080),
+        EndpointPort("dns", "TCP", None),
+    )
+    assert endpoint_slice.endpoints == (
+        Endpoint(
+            addresses=(ip_address("10.244.0.5"), ip_address("10.244.0.6")),
+            ready=False,
+            serving=True,
+            terminating=True,
+            node_name="node-1",
+            zone="zone-a",
+            hints_for_nodes=("node-1",),
+            hints_for_zones=("zone-a",),
+        ),
+    )
+
+
+def test_null_conditions_take_their_defaults() -> None:
+    endpoint = {"addresses": ["10.244.0.5"], "conditions": {"ready": None, "terminating": None}}
+    (parsed,) = parse_endpoint_slice(slice_dict(endpoints=[endpoint])).endpoints
+    assert (parsed.ready, parsed.serving, parsed.terminating) == (True, True, False)
+
+
+def test_slice_without_service_name_label_has_no_owner() -> None:
+    obj = slice_dict()
+    obj["metadata"]["labels"] = {}
+    assert parse_endpoint_slice(obj).service_name is None
+
+
+def test_null_endpoints_and_ports_are_empty() -> None:
+    obj = slice_dict()
+    obj["endpoints"] = None
+    obj["ports"] = None
+    endpoint_slice = parse_endpoint_slice(obj)
+    assert endpoint_slice.endpoints == ()
+    assert endpoint_slice.ports == ()
+
+
+def test_ipv6_slice_reads_ipv6_addresses() -> None:
+    obj = slice_dict(endpoints=[{"addresses": ["fd00:244::5"]}], address_type="IPv6")
+    (endpoint,) = parse_endpoint_slice(obj).endpoints
+    assert endpoint.addresses == (ip_address("fd00:244::5"),)
+
+
+def test_fqdn_slice_is_read_without_its_host_names() -> None:
+    obj = slice_dict(endpoints=[{"addresses": ["db.example.com"]}], address_type="FQDN")
+    endpoint_slice = parse_endpoint_slice(obj)
+    assert (endpoint_slice.address_type, endpoint_slice.endpoints) == ("FQDN", ())
+
+
+@pytest.mark.parametrize(
+    ("obj", "field", "message"),
+    [
+        (
+            slice_dict(endpoints=[{"addresses": ["fd00::1"]}]),
+            "endpoints[0].addresses[0]",
+            "'fd00::1' is not an IPv4 address",
+        ),
+        (
+            slice_dict(endpoints=[{"addresses": ["10.0.0.1"]}], address_type="IPv6"),
+            "endpoints[0].addresses[0]",
+            "not an IPv6 address",
+        ),
+        (
+            slice_dict(endpoints=[{"addresses": ["10.0.0.1", "10.0.0.x"]}]),
+            "endpoints[0].addresses[1]",
+            "not a valid IP address",
+        ),
+        (
+            slice_dict(endpoints=[{"addresses": ["fe80::1%eth0"]}], address_type="IPv6"),
+            "endpoints[0].addresses[0]",
+            "not a valid IP address",
+        ),
+        (slice_dict(endpoints=[{"addresses": []}]), "endpoints[0].addresses", "at least one"),
+        (slice_dict(endpoints=[{}]), "endpoints[0].addresses", "at least one"),
+        (slice_dict(ports=[{"port": 0}]), "ports[0].port", "0 is not a valid port (1-65535)"),
+        (slice_dict(ports=[{"port": 65536}]), "ports[0].port", "65536 is not a valid port"),
+        (slice_dict(ports=[{"port": 80, "protocol": "GRE"}]), "ports[0].protocol", "'GRE'"),
+        (slice_dict(ports={"port": 80}), "ports", "must be a list"),
+        (slice_dict(address_type="IPv5"), "addressType", "'IPv5' is not one of"),
+        (
+            slice_dict(endpoints=[{"addresses": ["10.0.0.1"], "conditions": {"ready": "yes"}}]),
+            "endpoints[0].conditions.ready",
+            "must be true or false",
+        ),
+        (
+            slice_dict(endpoints=[{"addresses": ["10.0.0.1"], "hints": {"forZones": [{}]}}]),
+            "endpoints[0].hints.forZones[0].name",
+            "non-empty string",
+        ),
+        (
+            slice_dict(endpoints=[{"addresses": ["10.0.0.1"], "nodeName": 3}]),
+            "endpoints[0].nodeName",
+            "must be a string",
+        ),
+    ],
+)
+def test_invalid_slice_field_is_an_error_naming_the_field(
+    obj: dict[str, Any], field: str, message: str
+) -> None:
+    error = error_of(parse_endpoint_slice, obj)
+    assert error.ref == ObjectRef("EndpointSlice", "shop", "web-abc12")
+    assert error.field == field
+    assert message in error.message
+
+
+def test_missing_address_type_is_an_error() -> None:
+    obj = slice_dict()
+    del obj["addressType"]
+    assert error_of(parse_endpoint_slice, obj).field == "addressType"
+
+
+# --- dispatch ------------------------------------------------------------------------
+
+
+def test_parse_object_dispatches_on_api_version_and_kind() -> None:
+    assert parse_object(service_dict()).ref == ObjectRef("Service", "shop", "web")
+    assert parse_object(slice_dict()).ref == ObjectRef("EndpointSlice", "shop", "web-abc12")
+
+
+@pytest.mark.parametrize(
+    ("api_version", "kind"),
+    [
+        ("v1", "ConfigMap"),
+        ("v1", "Endpoints"),
+        ("discovery.k8s.io/v1beta1", "EndpointSlice"),
+        ("v2", "Service"),
+        (None, None),
+    ],
+)
+def test_other_kinds_are_not_parsed(api_version: str | None, kind: str | None) -> None:
+    assert parse_object({"apiVersion": api_version, "kind": kind, "metadata": {}}) is None
+
+
+def test_parse_object_raises_for_an_invalid_service() -> None:
+    with pytest.raises(ObjectError):
+        parse_object(service_dict(clusterIP="bogus"))
