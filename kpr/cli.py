@@ -70,6 +70,7 @@ def run(
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: stop.set())
     try:
+        host.require_root()
         agent = Agent(ManifestSource(source), f"manifests:{source.resolve()}", config)
         agent.start()
     except (host.SetupError, FileNotFoundError, NotADirectoryError) as err:
@@ -132,3 +133,7 @@ def demo(
         sys.exit(main(pods=pods, connections=connections))
     except host.SetupError as err:
         _fail(err)
+
+
+if __name__ == "__main__":
+    app()

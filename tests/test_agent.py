@@ -1,0 +1,290 @@
+"""`kpr run` as a process: restart without loss, adoption, bad input while running,
+status and cleanup, and the set-up errors a user can hit."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from kpr import runstate
+from kpr.datapath.maps import BpfMaps
+from kpr.lab.netns import Lab
+from tests import kube
+from tests.test_datapath import POD_PORTS, PORTS, VIP4, VIP6
+
+KPR = [sys.executable, "-m", "kpr.cli"]
+
+
+@pytest.fixture(scope="module")
+def lab():
+    from tests.conftest import _skip_unless_kernel_ready
+
+    _skip_unless_kernel_ready()
+    with Lab(pods=3) as lab:
+        yield lab
+
+
+def echo(lab: Lab, directory: Path, pods=(0, 1, 2)) -> None:
+    chosen = [lab.pods[i] for i in pods]
+    kube.write(
+        directory,
+        "echo.yaml",
+        kube.service("echo", [VIP4, VIP6], PORTS),
+        kube.endpoint_slice("echo", [str(p.ipv4) for p in chosen], POD_PORTS),
+        kube.endpoint_slice("echo", [str(p.ipv6) for p in chosen], POD_PORTS),
+    )
+
+
+class AgentProcess:
+    def __init__(self, lab: Lab, directory: Path, pin_dir: Path, log: Path) -> None:
+        self.args = [
+            *KPR,
+            "run",
+            "--source",
+            str(directory),
+            "--cgroup",
+            str(lab.cgroup),
+            "--bpffs",
+            str(pin_dir),
+            "--node-name",
+            "node-1",
+        ]
+        self.pin_dir = pin_dir
+        self.log = log
+        self.process: subprocess.Popen | None = None
+
+    def start(self) -> None:
+        self.started = time.time()
+        with self.log.open("a") as log:
+            self.process = subprocess.Popen(self.args, stdout=log, stderr=subprocess.STDOUT)
+
+    def wait_synced(self, after: float | None = None, timeout: float = 30) -> runstate.RunState:
+        """Until the agent has synced (after `after`, default: its start)."""
+        after = after if after is not None else self.started
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            state = runstate.load(self.pin_dir)
+            if state and state.pid == self.process.pid and (state.last_sync or 0) > after:
+                return state
+            assert self.process.poll() is None, self.log.read_text()
+            time.sleep(0.05)
+        raise AssertionError(f"agent did not sync in {timeout}s:\n{self.log.read_text()}")
+
+    def kill(self, sig: int = signal.SIGKILL) -> None:
+        if self.process and self.process.poll() is None:
+            self.process.send_signal(sig)
+            self.process.wait(timeout=10)
+
+
+@pytest.fixture
+def agent(lab, tmp_path, pin_dir):
+    source = tmp_path / "manifests"
+    source.mkdir()
+    process = AgentProcess(lab, source, pin_dir, tmp_path / "agent.log")
+    yield process
+    process.kill()
+    subprocess.run([*KPR, "cleanup", "--bpffs", str(pin_dir)], capture_output=True)
+
+
+def loop_client(lab: Lab, seconds: float) -> subprocess.Popen:
+    argv = [
+        sys.executable,
+        "-m",
+        "kpr.lab.probe",
+        "loop-tcp",
+        VIP4,
+        "80",
+        "--duration",
+        str(seconds),
+    ]
+    return lab.popen_client(argv, stdout=subprocess.PIPE, text=True)
+
+
+def snapshot_maps(pin_dir: Path):
+    maps = BpfMaps(pin_dir)
+    try:
+        state = maps.read()
+        return state.services, state.backends, state.revnat
+    finally:
+        maps.close()
+
+
+def test_services_keep_working_while_the_agent_is_killed_and_restart_adopts_without_writes(
+    lab, agent
+):
+    echo(lab, agent.log.parent / "manifests")
+    agent.start()
+    agent.wait_synced()
+    before = snapshot_maps(agent.pin_dir)
+    client = loop_client(lab, 4)
+    time.sleep(0.5)
+    agent.kill(signal.SIGKILL)
+    time.sleep(1.5)  # down: the pinned maps and attached programs keep serving
+    agent.start()
+    agent.wait_synced()
+    summary = json.loads(client.communicate(timeout=30)[0])
+    assert summary["errors"] == []
+    assert len(summary["counts"]) == 3
+    assert snapshot_maps(agent.pin_dir) == before  # same ids: adopted, not rewritten
+    assert "map operations" not in agent.log.read_text().split("attached to cgroup")[-1]
+
+
+def test_restart_applies_changes_made_while_the_agent_was_down(lab, agent):
+    source = agent.log.parent / "manifests"
+    echo(lab, source)
+    agent.start()
+    agent.wait_synced()
+    agent.kill(signal.SIGTERM)
+    echo(lab, source, pods=(2,))
+    agent.start()
+    agent.wait_synced()
+    results = json.loads(
+        lab.run_client(
+            [sys.executable, "-m", "kpr.lab.probe", "tcp", VIP4, "80", "--count", "30"]
+        ).stdout
+    )["results"]
+    assert {r["pod"] for r in results} == {lab.pods[2].name}
+
+
+def test_a_bad_edit_is_reported_and_what_was_programmed_keeps_working(lab, agent):
+    source = agent.log.parent / "manifests"
+    echo(lab, source)
+    agent.start()
+    first = agent.wait_synced()
+    (source / "broken.yaml").write_text("kind: Service\nmetadata: {name: [oops\n")
+    bad = kube.service("bad", ["10.96.0.99"], [("http", 65536, "TCP")])
+    kube.write(source, "bad.yaml", bad)
+    state = agent.wait_synced(after=first.last_sync)
+    problems = "\n".join(state.problems)
+    assert "broken.yaml" in problems
+    assert "Service default/bad" in problems and "spec.ports[0].port" in problems
+    results = json.loads(
+        lab.run_client(
+            [sys.executable, "-m", "kpr.lab.probe", "tcp", VIP4, "80", "--count", "20"]
+        ).stdout
+    )["results"]
+    assert all("pod" in r for r in results)
+    assert "broken.yaml" in agent.log.read_text()
+
+
+def test_status_reads_the_pinned_maps_with_the_agent_stopped(lab, agent):
+    echo(lab, agent.log.parent / "manifests")
+    agent.start()
+    agent.wait_synced()
+    agent.kill(signal.SIGKILL)
+    out = subprocess.run(
+        [*KPR, "status", "--bpffs", str(agent.pin_dir), "--json"], capture_output=True, text=True
+    )
+    assert out.returncode == 0, out.stderr
+    status = json.loads(out.stdout)
+    assert status["agent"]["running"] is False
+    assert all(status["attached"].values())
+    frontends = {s["frontend"]: s for s in status["services"]}
+    assert frontends[f"{VIP4}:80/TCP"]["service"] == "default/echo:http"
+    assert sorted(frontends[f"{VIP4}:80/TCP"]["backends"]) == [f"{p.ipv4}:8080" for p in lab.pods]
+    assert f"[{VIP6}]:53/UDP" in frontends
+    assert status["drift"] == []
+    text = subprocess.run(
+        [*KPR, "status", "--bpffs", str(agent.pin_dir)], capture_output=True, text=True
+    ).stdout
+    assert "default/echo:http" in text and "drift:     none" in text
+
+
+def test_status_reports_drift_made_behind_the_agents_back(lab, agent):
+    echo(lab, agent.log.parent / "manifests")
+    agent.start()
+    agent.wait_synced()
+    agent.kill(signal.SIGKILL)
+    maps = BpfMaps(agent.pin_dir)
+    state = maps.read()
+    frontend = next(f for f in state.services if str(f) == f"{VIP4}:80/TCP")
+    maps.delete_services([(frontend, 0)])
+    maps.close()
+    status = json.loads(
+        subprocess.run(
+            [*KPR, "status", "--bpffs", str(agent.pin_dir), "--json"],
+            capture_output=True,
+            text=True,
+        ).stdout
+    )
+    assert any(f"{VIP4}:80/TCP" in d and "missing" in d for d in status["drift"])
+
+
+def test_cleanup_detaches_and_removes_every_pin(lab, agent):
+    echo(lab, agent.log.parent / "manifests")
+    agent.start()
+    agent.wait_synced()
+    agent.kill(signal.SIGTERM)
+    out = subprocess.run(
+        [*KPR, "cleanup", "--bpffs", str(agent.pin_dir)], capture_output=True, text=True
+    )
+    assert out.returncode == 0, out.stderr
+    assert "detached 8 programs" in out.stdout
+    assert not agent.pin_dir.exists()
+    assert runstate.load(agent.pin_dir) is None
+    results = json.loads(
+        lab.run_client(
+            [sys.executable, "-m", "kpr.lab.probe", "tcp", VIP4, "80", "--count", "1"]
+        ).stdout
+    )["results"]
+    assert "error" in results[0]  # the ClusterIP means nothing without kpr
+
+
+# --- set-up errors: one paragraph saying what to do ------------------------------------
+
+
+def run_kpr(*args: str, env: dict | None = None, user: str | None = None):
+    argv = [*KPR, *args]
+    if user:
+        argv = ["setpriv", f"--reuid={user}", "--regid=65534", "--clear-groups", *argv]
+    return subprocess.run(
+        argv, capture_output=True, text=True, env={**os.environ, **(env or {})}, timeout=60
+    )
+
+
+def test_missing_kernel_headers_say_how_to_fix_it(tmp_path, pin_dir, cgroup):
+    out = run_kpr(
+        "run", "--source", str(tmp_path), "--cgroup", str(cgroup), "--bpffs", str(pin_dir),
+        env={"BCC_KERNEL_SOURCE": str(tmp_path / "no-headers")},
+    )  # fmt: skip
+    assert out.returncode == 2
+    assert "Kernel headers not found" in out.stderr and "host-setup.sh" in out.stderr
+    assert "Traceback" not in out.stderr
+
+
+def test_a_directory_that_is_not_a_cgroup_is_refused(tmp_path, pin_dir):
+    out = run_kpr(
+        "run", "--source", str(tmp_path), "--cgroup", str(tmp_path), "--bpffs", str(pin_dir)
+    )
+    assert out.returncode == 2
+    assert "is not a cgroup v2 directory" in out.stderr
+
+
+def test_a_pin_directory_off_bpffs_is_refused(tmp_path, cgroup):
+    out = run_kpr(
+        "run", "--source", str(tmp_path), "--cgroup", str(cgroup), "--bpffs", str(tmp_path / "p")
+    )
+    assert out.returncode == 2
+    assert "not on a BPF filesystem" in out.stderr
+
+
+def test_not_root_is_refused_with_a_clear_message(tmp_path):
+    if os.geteuid() != 0:
+        pytest.skip("needs root to drop to another user")
+    out = run_kpr("run", "--source", str(tmp_path), user="nobody")
+    assert out.returncode == 2
+    assert "must run as root" in out.stderr
+
+
+def test_a_missing_source_directory_is_named(tmp_path, pin_dir, cgroup):
+    missing = tmp_path / "nope"
+    out = run_kpr("run", "--source", str(missing), "--cgroup", str(cgroup), "--bpffs", str(pin_dir))
+    assert out.returncode == 2
+    assert str(missing) in out.stderr
