@@ -34,9 +34,11 @@ enum kpr_outcome {
 	KPR_STAT_MAX = 8,
 };
 
+/* Addresses are byte arrays in network order and ports are in host order, so
+ * `bpftool map dump` shows them as people read them ([10,96,0,10], 80). */
 struct kpr_service4_key {
-	__be32 address;   /* ClusterIP, network order */
-	__be16 port;      /* network order */
+	__u8 address[4];  /* ClusterIP */
+	__u16 port;
 	__u8 protocol;    /* IPPROTO_TCP / IPPROTO_UDP */
 	__u8 pad;
 	__u16 slot;       /* 0: master entry, 1..count: backend slots */
@@ -45,7 +47,7 @@ struct kpr_service4_key {
 
 struct kpr_service6_key {
 	__u8 address[16];
-	__be16 port;
+	__u16 port;
 	__u8 protocol;
 	__u8 pad;
 	__u16 slot;
@@ -63,27 +65,27 @@ struct kpr_service {
 };
 
 struct kpr_backend4 {
-	__be32 address;
-	__be16 port;
+	__u8 address[4];
+	__u16 port;
 	__u16 pad;
 };
 
 struct kpr_backend6 {
 	__u8 address[16];
-	__be16 port;
+	__u16 port;
 	__u16 pad;
 };
 
 /* service_id -> the frontend it serves (reply path, status). */
 struct kpr_revnat4 {
-	__be32 address;
-	__be16 port;
+	__u8 address[4];
+	__u16 port;
 	__u16 pad;
 };
 
 struct kpr_revnat6 {
 	__u8 address[16];
-	__be16 port;
+	__u16 port;
 	__u16 pad;
 };
 
@@ -91,15 +93,15 @@ struct kpr_revnat6 {
  * recvmsg and getpeername show it instead of the backend. */
 struct kpr_sock_revnat4_key {
 	__u64 cookie;     /* socket cookie */
-	__be32 address;   /* backend */
-	__be16 port;
+	__u8 address[4];  /* backend */
+	__u16 port;
 	__u16 pad;
 };
 
 struct kpr_sock_revnat6_key {
 	__u64 cookie;
 	__u8 address[16];
-	__be16 port;
+	__u16 port;
 	__u16 pad;
 	__u32 pad2;
 };

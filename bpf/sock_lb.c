@@ -63,8 +63,8 @@ static __always_inline int pick_backend4(struct bpf_sock_addr *ctx, __be32 *addr
 	__u32 backend_id;
 	__u64 cookie;
 
-	key.address = *address;
-	key.port = (__be16)*port;
+	__builtin_memcpy(key.address, address, 4);
+	key.port = bpf_ntohs((__u16)*port);
 	key.protocol = ctx->protocol;
 	master = kpr_services4.lookup(&key);
 	if (!master)
@@ -82,15 +82,15 @@ static __always_inline int pick_backend4(struct bpf_sock_addr *ctx, __be32 *addr
 	if (!backend)
 		return KPR_PICK_MAP_ERROR;
 
-	struct kpr_sock_revnat4_key rkey = {
-		.cookie = cookie, .address = backend->address, .port = backend->port,
-	};
-	struct kpr_revnat4 rval = { .address = key.address, .port = key.port };
+	struct kpr_sock_revnat4_key rkey = { .cookie = cookie, .port = backend->port };
+	struct kpr_revnat4 rval = { .port = key.port };
+	__builtin_memcpy(rkey.address, backend->address, 4);
+	__builtin_memcpy(rval.address, key.address, 4);
 	if (kpr_sock_revnat4.update(&rkey, &rval))
 		stat_inc(KPR_STAT_REVNAT_FULL);
 
-	*address = backend->address;
-	*port = backend->port;
+	__builtin_memcpy(address, backend->address, 4);
+	*port = bpf_htons(backend->port);
 	return KPR_PICK_BACKEND;
 }
 
@@ -101,13 +101,13 @@ static __always_inline void reverse4(struct bpf_sock_addr *ctx, __be32 *address,
 	struct kpr_revnat4 *rval;
 
 	rkey.cookie = bpf_get_socket_cookie(ctx);
-	rkey.address = *address;
-	rkey.port = (__be16)*port;
+	__builtin_memcpy(rkey.address, address, 4);
+	rkey.port = bpf_ntohs((__u16)*port);
 	rval = kpr_sock_revnat4.lookup(&rkey);
 	if (!rval)
 		return;
-	*address = rval->address;
-	*port = rval->port;
+	__builtin_memcpy(address, rval->address, 4);
+	*port = bpf_htons(rval->port);
 	stat_inc(KPR_STAT_REVERSED);
 }
 
@@ -121,7 +121,7 @@ static __always_inline int pick_backend6(struct bpf_sock_addr *ctx, __u32 addres
 	__u64 cookie;
 
 	__builtin_memcpy(key.address, address, 16);
-	key.port = (__be16)*port;
+	key.port = bpf_ntohs((__u16)*port);
 	key.protocol = ctx->protocol;
 	master = kpr_services6.lookup(&key);
 	if (!master)
@@ -147,7 +147,7 @@ static __always_inline int pick_backend6(struct bpf_sock_addr *ctx, __u32 addres
 		stat_inc(KPR_STAT_REVNAT_FULL);
 
 	__builtin_memcpy(address, backend->address, 16);
-	*port = backend->port;
+	*port = bpf_htons(backend->port);
 	return KPR_PICK_BACKEND;
 }
 
@@ -158,12 +158,12 @@ static __always_inline void reverse6(struct bpf_sock_addr *ctx, __u32 address[4]
 
 	rkey.cookie = bpf_get_socket_cookie(ctx);
 	__builtin_memcpy(rkey.address, address, 16);
-	rkey.port = (__be16)*port;
+	rkey.port = bpf_ntohs((__u16)*port);
 	rval = kpr_sock_revnat6.lookup(&rkey);
 	if (!rval)
 		return;
 	__builtin_memcpy(address, rval->address, 16);
-	*port = rval->port;
+	*port = bpf_htons(rval->port);
 	stat_inc(KPR_STAT_REVERSED);
 }
 

@@ -30,10 +30,11 @@ STAT_NAMES = {
 STAT_MAX = 8
 
 
+# Addresses: bytes in network order. Ports: host order (bpftool shows them plainly).
 class Service4Key(ct.Structure):
     _fields_ = [
-        ("address", ct.c_uint32),  # network order bytes
-        ("port", ct.c_uint16),  # network order bytes
+        ("address", ct.c_uint8 * 4),
+        ("port", ct.c_uint16),
         ("protocol", ct.c_uint8),
         ("pad", ct.c_uint8),
         ("slot", ct.c_uint16),
@@ -64,7 +65,7 @@ class ServiceValue(ct.Structure):
 
 
 class Backend4(ct.Structure):
-    _fields_ = [("address", ct.c_uint32), ("port", ct.c_uint16), ("pad", ct.c_uint16)]
+    _fields_ = [("address", ct.c_uint8 * 4), ("port", ct.c_uint16), ("pad", ct.c_uint16)]
 
 
 class Backend6(ct.Structure):
@@ -79,7 +80,7 @@ RevNat6 = Backend6
 class SockRevNat4Key(ct.Structure):
     _fields_ = [
         ("cookie", ct.c_uint64),
-        ("address", ct.c_uint32),
+        ("address", ct.c_uint8 * 4),
         ("port", ct.c_uint16),
         ("pad", ct.c_uint16),
     ]
@@ -178,23 +179,3 @@ class MapSizes:
             f"-DKPR_REVNAT_MAX={self.revnat}",
             f"-DKPR_SOCK_REVNAT_MAX={self.sock_revnat}",
         ]
-
-
-# --- byte order: the structs hold network-order bytes in host-order integers --------
-
-
-def be32(packed: bytes) -> int:
-    """An IPv4 address's 4 bytes as the u32 whose memory holds them in order."""
-    return int.from_bytes(packed, "little")
-
-
-def be32_bytes(value: int) -> bytes:
-    return value.to_bytes(4, "little")
-
-
-def htons(port: int) -> int:
-    return socket.htons(port)
-
-
-def ntohs(port: int) -> int:
-    return socket.ntohs(port)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import ctypes as ct
 import logging
 from dataclasses import dataclass, field
-from ipaddress import IPv4Address, IPv6Address
+from ipaddress import IPv4Address, IPv6Address, ip_address
 from pathlib import Path
 from typing import NamedTuple, Protocol
 
@@ -194,36 +194,25 @@ def consistent(maps: MemoryMaps) -> list[str]:
 
 
 def _service_key(frontend: Frontend, slot: int, key) -> None:
-    if frontend.address.version == 4:
-        key.address = abi.be32(frontend.address.packed)
-    else:
-        key.address[:] = frontend.address.packed
-    key.port = abi.htons(frontend.port)
+    key.address[:] = frontend.address.packed
+    key.port = frontend.port
     key.protocol = abi.PROTOCOL_NUMBERS[frontend.protocol]
     key.slot = slot
 
 
-def _frontend(key, version: int) -> Frontend:
-    if version == 4:
-        address: IPv4Address | IPv6Address = IPv4Address(abi.be32_bytes(key.address))
-    else:
-        address = IPv6Address(bytes(key.address))
+def _frontend(key) -> Frontend:
+    address, _ = _address_port(key)
     protocol = abi.PROTOCOL_NAMES.get(key.protocol, str(key.protocol))
-    return Frontend(address, abi.ntohs(key.port), protocol)
+    return Frontend(address, key.port, protocol)
 
 
-def _address_port(value, version: int) -> tuple[IPv4Address | IPv6Address, int]:
-    if version == 4:
-        return IPv4Address(abi.be32_bytes(value.address)), abi.ntohs(value.port)
-    return IPv6Address(bytes(value.address)), abi.ntohs(value.port)
+def _address_port(value) -> tuple[IPv4Address | IPv6Address, int]:
+    return ip_address(bytes(value.address)), value.port
 
 
 def _set_address_port(value, address, port: int) -> None:
-    if address.version == 4:
-        value.address = abi.be32(address.packed)
-    else:
-        value.address[:] = address.packed
-    value.port = abi.htons(port)
+    value.address[:] = address.packed
+    value.port = port
 
 
 class BpfMaps:
@@ -252,11 +241,11 @@ class BpfMaps:
                 entry = ServiceEntry(
                     value.backend_id, value.count, value.service_id, value.affinity_timeout
                 )
-                services[(_frontend(key, version), key.slot)] = entry
+                services[(_frontend(key), key.slot)] = entry
             for key, value in self._family("backends", version).items():
-                backends[key.value] = Backend(*_address_port(value, version))
+                backends[key.value] = Backend(*_address_port(value))
             for key, value in self._family("revnat", version).items():
-                address, port = _address_port(value, version)
+                address, port = _address_port(value)
                 # the protocol is not in the reverse entry: take it from the master
                 revnat[key.value] = Frontend(address, port, "")
         state = decode(services, backends, {})
