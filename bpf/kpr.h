@@ -121,9 +121,9 @@ BPF_TABLE_PINNED("hash", __u32, struct kpr_revnat4, kpr_revnat4,
 BPF_TABLE_PINNED("hash", __u32, struct kpr_revnat6, kpr_revnat6,
 		 KPR_REVNAT_MAX, KPR_PIN("revnat6"), BPF_F_NO_PREALLOC);
 BPF_TABLE_PINNED("lru_hash", struct kpr_sock_revnat4_key, struct kpr_revnat4,
-		 kpr_sock_revnat4, KPR_SOCK_REVNAT_MAX, KPR_PIN("sock_revnat4"));
+		 kpr_sock_revnat4, KPR_SOCK_REVNAT_MAX, KPR_PIN("sock_revnat4"), BPF_F_NO_COMMON_LRU);
 BPF_TABLE_PINNED("lru_hash", struct kpr_sock_revnat6_key, struct kpr_revnat6,
-		 kpr_sock_revnat6, KPR_SOCK_REVNAT_MAX, KPR_PIN("sock_revnat6"));
+		 kpr_sock_revnat6, KPR_SOCK_REVNAT_MAX, KPR_PIN("sock_revnat6"), BPF_F_NO_COMMON_LRU);
 BPF_TABLE_PINNED("percpu_array", __u32, __u64, kpr_stats, KPR_STAT_MAX,
 		 KPR_PIN("stats"));
 

@@ -68,8 +68,7 @@ class Agent:
         cgroup = host.require_cgroup2_dir(cfg.cgroup or host.cgroup2_root())
         host.ensure_bpffs(cfg.pin_dir)
         previous = runstate.load(cfg.pin_dir)
-        bpf = loader.compile_and_pin(cfg.pin_dir, cfg.sizes)
-        loader.attach(bpf, cfg.pin_dir, cgroup)
+        loader.load(cfg.pin_dir, cgroup, cfg.sizes)
         if previous and Path(previous.cgroup) != cgroup:
             moved = loader.detach(Path(previous.cgroup))
             log.info("detached %d programs from the previous cgroup %s", moved, previous.cgroup)

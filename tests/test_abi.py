@@ -42,3 +42,15 @@ def test_slot_limit_and_version_match_the_header():
     assert f"#define KPR_MAX_SLOTS {abi.MAX_SLOTS}\n" in header
     assert f"#define KPR_ABI_VERSION {abi.ABI_VERSION}\n" in header
     assert f'"/v{abi.ABI_VERSION}_" name' in header
+
+
+def test_struct_formats_pack_the_same_bytes_as_the_ctypes_mirror():
+    v4, v6 = bytes([10, 96, 0, 10]), bytes(range(16))
+    key4 = abi.Service4Key(address=(ct.c_uint8 * 4)(*v4), port=80, protocol=6, slot=3)
+    assert abi.SERVICE4_KEY.pack(v4, 80, 6, 3) == bytes(key4)
+    key6 = abi.Service6Key(address=(ct.c_uint8 * 16)(*v6), port=53, protocol=17, slot=1)
+    assert abi.SERVICE6_KEY.pack(v6, 53, 17, 1) == bytes(key6)
+    value = abi.ServiceValue(backend_id=7, count=2, service_id=9, flags=0, affinity_timeout=60)
+    assert abi.SERVICE_VALUE.pack(7, 2, 9, 0, 60) == bytes(value)
+    assert abi.BACKEND4.pack(v4, 8080) == bytes(abi.Backend4((ct.c_uint8 * 4)(*v4), 8080))
+    assert abi.BACKEND6.pack(v6, 8080) == bytes(abi.Backend6((ct.c_uint8 * 16)(*v6), 8080))

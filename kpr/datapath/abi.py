@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ctypes as ct
 import socket
+import struct
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -179,3 +180,13 @@ class MapSizes:
             f"-DKPR_REVNAT_MAX={self.revnat}",
             f"-DKPR_SOCK_REVNAT_MAX={self.sock_revnat}",
         ]
+
+
+# struct-module formats of the same layouts, for packing many entries fast
+# (tests/test_abi.py checks each against its ctypes mirror).
+SERVICE4_KEY = struct.Struct("<4sHBxHxx")  # address, port, protocol, slot
+SERVICE6_KEY = struct.Struct("<16sHBxHxx")
+SERVICE_VALUE = struct.Struct("<IIIIIxxxx")  # backend_id, count, service_id, flags, affinity
+BACKEND4 = struct.Struct("<4sHxx")  # address, port; also struct kpr_revnat4
+BACKEND6 = struct.Struct("<16sHxx")
+ID = struct.Struct("<I")

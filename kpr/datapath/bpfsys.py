@@ -236,21 +236,27 @@ class PinnedMap:
             if code != errno.ENOENT:
                 _check(ret, f"delete from {self.name}")
 
-    def update_batch(self, keys, values) -> None:
-        """One syscall for many entries. On error some may have been written."""
-        count = ct.c_uint32(len(keys))
-        if not len(keys):
-            return
-        _check(
-            _libbpf.bpf_map_update_batch(self.fd, keys, values, ct.byref(count), None),
-            f"write {len(keys)} entries to {self.name}",
-        )
+    def update_packed(self, key: bytes, value: bytes) -> None:
+        _check(_libbpf.bpf_map_update_elem(self.fd, key, value, BPF_ANY), f"write to {self.name}")
 
-    def delete_batch(self, keys) -> None:
-        count = ct.c_uint32(len(keys))
-        if not len(keys):
-            return
-        _check(
-            _libbpf.bpf_map_delete_batch(self.fd, keys, ct.byref(count), None),
-            f"delete {len(keys)} entries from {self.name}",
-        )
+    def delete_packed(self, key: bytes) -> None:
+        ret = _libbpf.bpf_map_delete_elem(self.fd, key)
+        if ret < 0 and (-ret if ret != -1 else ct.get_errno()) != errno.ENOENT:
+            _check(ret, f"delete from {self.name}")
+
+    def update_batch(self, keys: bytes, values: bytes, count: int) -> None:
+        """One syscall for `count` packed entries. On error some may be written."""
+        if count:
+            n = ct.c_uint32(count)
+            _check(
+                _libbpf.bpf_map_update_batch(self.fd, keys, values, ct.byref(n), None),
+                f"write {count} entries to {self.name}",
+            )
+
+    def delete_batch(self, keys: bytes, count: int) -> None:
+        if count:
+            n = ct.c_uint32(count)
+            _check(
+                _libbpf.bpf_map_delete_batch(self.fd, keys, ct.byref(n), None),
+                f"delete {count} entries from {self.name}",
+            )

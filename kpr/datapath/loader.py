@@ -8,9 +8,13 @@ no program on a hook.
 
 from __future__ import annotations
 
+import dataclasses
 import errno
+import json
 import logging
 import os
+import subprocess
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -180,3 +184,37 @@ def unpin_all(pin_dir: Path) -> None:
         if path.name.startswith("v"):
             path.unlink()
     pin_dir.rmdir()
+
+
+def load(pin_dir: Path, cgroup: Path, sizes: abi.MapSizes) -> None:
+    """Compile, pin and attach in a child process: BCC and its LLVM take some
+    130 MB that the agent never needs again once the programs are loaded."""
+    argv = [sys.executable, "-m", "kpr.datapath.loader", str(pin_dir), str(cgroup)]
+    argv.append(json.dumps(dataclasses.asdict(sizes)))
+    result = subprocess.run(argv, capture_output=True, text=True)
+    if result.returncode == 0:
+        if result.stderr.strip():
+            log.debug("BCC said: %s", result.stderr.strip())
+        return
+    message = result.stderr.strip()
+    if result.returncode == _SETUP_ERROR and _SETUP_MARK in message:
+        raise host.SetupError(message.split(_SETUP_MARK, 1)[1].strip())
+    raise host.SetupError(f"Loading the BPF programs failed (exit {result.returncode}):\n{message}")
+
+
+_SETUP_ERROR = 2
+_SETUP_MARK = "kpr-loader-error:"
+
+
+def _main(argv: list[str]) -> int:
+    pin_dir, cgroup, sizes = Path(argv[0]), Path(argv[1]), abi.MapSizes(**json.loads(argv[2]))
+    try:
+        attach(compile_and_pin(pin_dir, sizes), pin_dir, cgroup)
+    except host.SetupError as err:
+        print(f"{_SETUP_MARK} {err}", file=sys.stderr)
+        return _SETUP_ERROR
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_main(sys.argv[1:]))

@@ -193,26 +193,35 @@ def consistent(maps: MemoryMaps) -> list[str]:
 # --- the kernel maps ------------------------------------------------------------------
 
 
-def _service_key(frontend: Frontend, slot: int, key) -> None:
-    key.address[:] = frontend.address.packed
-    key.port = frontend.port
-    key.protocol = abi.PROTOCOL_NUMBERS[frontend.protocol]
-    key.slot = slot
-
-
-def _frontend(key) -> Frontend:
-    address, _ = _address_port(key)
-    protocol = abi.PROTOCOL_NAMES.get(key.protocol, str(key.protocol))
-    return Frontend(address, key.port, protocol)
-
-
 def _address_port(value) -> tuple[IPv4Address | IPv6Address, int]:
     return ip_address(bytes(value.address)), value.port
 
 
-def _set_address_port(value, address, port: int) -> None:
-    value.address[:] = address.packed
-    value.port = port
+def _frontend(key) -> Frontend:
+    address, port = _address_port(key)
+    return Frontend(address, port, abi.PROTOCOL_NAMES.get(key.protocol, str(key.protocol)))
+
+
+# Packers: one (map name, key bytes, value bytes) per entry.
+
+
+def _pack_service(key: ServiceKey, entry: ServiceEntry | None = None) -> tuple[str, bytes, bytes]:
+    frontend, slot = key
+    version = frontend.address.version
+    layout = abi.SERVICE4_KEY if version == 4 else abi.SERVICE6_KEY
+    packed_key = layout.pack(
+        frontend.address.packed, frontend.port, abi.PROTOCOL_NUMBERS[frontend.protocol], slot
+    )
+    value = abi.SERVICE_VALUE.pack(*entry[:3], 0, entry.affinity_timeout) if entry else b""
+    return f"kpr_services{version}", packed_key, value
+
+
+def _pack_address(
+    base: str, key: int, target: Backend | Frontend | None
+) -> tuple[str, bytes, bytes]:
+    version = target.address.version
+    layout = abi.BACKEND4 if version == 4 else abi.BACKEND6
+    return f"kpr_{base}{version}", abi.ID.pack(key), layout.pack(target.address.packed, target.port)
 
 
 class BpfMaps:
@@ -258,113 +267,61 @@ class BpfMaps:
                 state.revnat[sid] = partial  # orphan: plan() deletes it
         return state
 
-    def _write(self, entries: dict, route, fill_key, fill_value, key_of) -> WriteResult:
-        """Batch-write entries grouped by map; fall back to one at a time on error,
-        to find exactly which entries failed."""
+    def _write(self, entries: list[tuple[str, bytes, bytes]], labels: list) -> WriteResult:
+        """Batch-write packed entries, one syscall per map; on error fall back to
+        one at a time, to find exactly which entries failed."""
         result = WriteResult()
-        groups: dict[str, list] = {}
-        for key, value in entries.items():
-            groups.setdefault(route(key, value), []).append((key, value))
-        for name, items in groups.items():
+        groups: dict[str, list[int]] = {}
+        for i, (name, _, _) in enumerate(entries):
+            groups.setdefault(name, []).append(i)
+        for name, indexes in groups.items():
             pinned = self.maps[name]
-            keys = (pinned.key_type * len(items))()
-            values = (pinned.value_type * len(items))()
-            for i, (key, value) in enumerate(items):
-                fill_key(keys, i, key)
-                fill_value(values[i], key, value)
+            keys = b"".join(entries[i][1] for i in indexes)
+            values = b"".join(entries[i][2] for i in indexes)
             try:
-                pinned.update_batch(keys, values)
+                pinned.update_batch(keys, values, len(indexes))
             except OSError as err:
                 log.warning("%s; writing entries one by one", err)
-                for i, (key, _) in enumerate(items):
+                for i in indexes:
                     try:
-                        pinned.update(keys[i], values[i])
+                        pinned.update_packed(entries[i][1], entries[i][2])
                     except OSError as one:
-                        result.failed.add(key_of(key))
-                        result.errors.append(f"{name}: {one.strerror} ({key_of(key)})")
+                        result.failed.add(labels[i])
+                        result.errors.append(f"{name}: {one.strerror} ({labels[i]})")
         return result
 
+    def _delete(self, entries: list[tuple[str, bytes, bytes]]) -> None:
+        groups: dict[str, list[bytes]] = {}
+        for name, key, _ in entries:
+            groups.setdefault(name, []).append(key)
+        for name, keys in groups.items():
+            pinned = self.maps[name]
+            try:
+                pinned.delete_batch(b"".join(keys), len(keys))
+            except OSError:
+                for key in keys:  # a key already gone fails the whole batch
+                    pinned.delete_packed(key)
+
     def write_backends(self, entries: dict[int, Backend]) -> WriteResult:
-        def fill_key(keys, i, bid):
-            keys[i] = bid
-
-        def fill_value(value, _bid, backend: Backend):
-            _set_address_port(value, backend.address, backend.port)
-
-        return self._write(
-            entries,
-            lambda _bid, b: f"kpr_backends{b.address.version}",
-            fill_key,
-            fill_value,
-            lambda bid: bid,
-        )
+        packed = [_pack_address("backends", bid, b) for bid, b in entries.items()]
+        return self._write(packed, list(entries))
 
     def write_services(self, entries: dict[ServiceKey, ServiceEntry]) -> WriteResult:
-        def fill_key(keys, i, key: ServiceKey):
-            _service_key(key[0], key[1], keys[i])
-
-        def fill_value(value, _key, entry: ServiceEntry):
-            value.backend_id = entry.backend_id
-            value.count = entry.count
-            value.service_id = entry.service_id
-            value.affinity_timeout = entry.affinity_timeout
-
-        return self._write(
-            entries,
-            lambda key, _: f"kpr_services{key[0].address.version}",
-            fill_key,
-            fill_value,
-            lambda key: key,
-        )
+        packed = [_pack_service(key, entry) for key, entry in entries.items()]
+        return self._write(packed, list(entries))
 
     def write_revnat(self, entries: dict[int, Frontend]) -> WriteResult:
-        def fill_key(keys, i, sid):
-            keys[i] = sid
-
-        def fill_value(value, _sid, frontend: Frontend):
-            _set_address_port(value, frontend.address, frontend.port)
-
-        return self._write(
-            entries,
-            lambda _sid, f: f"kpr_revnat{f.address.version}",
-            fill_key,
-            fill_value,
-            lambda sid: sid,
-        )
-
-    def _delete(self, items: list[tuple[str, object]], fill_key) -> None:
-        groups: dict[str, list] = {}
-        for name, key in items:
-            groups.setdefault(name, []).append(key)
-        for name, group in groups.items():
-            pinned = self.maps[name]
-            keys = (pinned.key_type * len(group))()
-            for i, key in enumerate(group):
-                fill_key(keys, i, key)
-            try:
-                pinned.delete_batch(keys)
-            except OSError:
-                for i in range(len(group)):  # a key already gone fails the batch
-                    pinned.delete(keys[i])
+        packed = [_pack_address("revnat", sid, f) for sid, f in entries.items()]
+        return self._write(packed, list(entries))
 
     def delete_services(self, keys: list[ServiceKey]) -> None:
-        def fill_key(array, i, key: ServiceKey):
-            _service_key(key[0], key[1], array[i])
-
-        self._delete([(f"kpr_services{k[0].address.version}", k) for k in keys], fill_key)
-
-    def _delete_ids(self, base: str, entries: dict) -> None:
-        def fill_key(array, i, key):
-            array[i] = key
-
-        items = [(f"kpr_{base}{value.address.version}", key) for key, value in entries.items()]
-        self._delete(items, fill_key)
+        self._delete([_pack_service(key) for key in keys])
 
     def delete_revnat(self, entries: dict[int, Frontend]) -> None:
-        self._delete_ids("revnat", entries)
+        self._delete([_pack_address("revnat", sid, f) for sid, f in entries.items()])
 
     def delete_backends(self, entries: dict[int, Backend]) -> None:
-        self._delete_ids("backends", entries)
+        self._delete([_pack_address("backends", bid, b) for bid, b in entries.items()])
 
     def stats(self) -> dict[str, int]:
         """Outcome counters summed over CPUs."""

@@ -24,6 +24,9 @@ MANIFEST_SUFFIXES = (".yaml", ".yml", ".json")
 
 KubeObject = Service | EndpointSlice
 
+# libyaml's parser when present: ten times faster on large directories
+_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+
 
 @dataclass
 class Snapshot:
@@ -193,7 +196,7 @@ def _load(path: Path) -> list[Any]:
         except json.JSONDecodeError as error:
             raise _FileError(f"not valid JSON at line {error.lineno}: {error.msg}") from None
     try:
-        return list(yaml.safe_load_all(text))
+        return list(yaml.load_all(text, Loader=_LOADER))
     except yaml.MarkedYAMLError as error:
         line = f" at line {error.problem_mark.line + 1}" if error.problem_mark else ""
         raise _FileError(f"not valid YAML{line}: {error.problem or error.context}") from None

@@ -1,0 +1,199 @@
+"""Figures at scale: connect latency with N services programmed, programming time
+and agent memory. `python -m kpr.lab.scale --services 10000 --endpoints 10`.
+
+Everything runs in a throwaway lab: N Services with M endpoints each are
+written as manifests (kubectl-shaped YAML); the first services point at the
+lab's real pods, the rest at addresses nothing listens on. Connect latency is
+measured to the ClusterIPs of the real ones and directly to the pods, in
+interleaved rounds, and reported as medians and as a ratio to direct.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from ipaddress import IPv4Address
+from pathlib import Path
+
+import yaml
+
+from kpr import host, runstate
+from kpr.agent import Agent, AgentConfig
+from kpr.datapath import loader
+from kpr.lab.latency import measure
+from kpr.lab.netns import Lab
+from kpr.model import NodeContext
+from kpr.sources.manifests import ManifestSource
+
+VIP_BASE = IPv4Address("10.96.0.0")
+FAKE_ENDPOINT_BASE = IPv4Address("10.128.0.0")
+
+
+def write_manifests(directory: Path, services: int, endpoints: int, lab: Lab) -> list[str]:
+    """N Services + N EndpointSlices; returns the ClusterIPs backed by real pods."""
+    real = []
+    docs = []
+    for i in range(services):
+        vip = str(VIP_BASE + 16 + i)
+        name = f"svc-{i}"
+        if i < len(lab.pods):
+            addresses = [str(p.ipv4) for p in lab.pods][:endpoints]
+            real.append(vip)
+        else:
+            first = i * endpoints
+            addresses = [str(FAKE_ENDPOINT_BASE + first + j) for j in range(endpoints)]
+        docs.append(
+            {
+                "apiVersion": "v1",
+                "kind": "Service",
+                "metadata": {"name": name, "namespace": "bench"},
+                "spec": {
+                    "clusterIP": vip,
+                    "clusterIPs": [vip],
+                    "ports": [{"name": "http", "port": 80, "protocol": "TCP", "targetPort": 8080}],
+                },
+            }
+        )
+        docs.append(
+            {
+                "apiVersion": "discovery.k8s.io/v1",
+                "kind": "EndpointSlice",
+                "metadata": {
+                    "name": f"{name}-abcde",
+                    "namespace": "bench",
+                    "labels": {"kubernetes.io/service-name": name},
+                },
+                "addressType": "IPv4",
+                "ports": [{"name": "http", "port": 8080, "protocol": "TCP"}],
+                "endpoints": [{"addresses": [a], "conditions": {"ready": True}} for a in addresses],
+            }
+        )
+    dumper = getattr(yaml, "CSafeDumper", yaml.SafeDumper)
+    (directory / "services.yaml").write_text(yaml.dump_all(docs, Dumper=dumper))
+    return real
+
+
+def program_in_process(directory: Path, lab: Lab, pin_dir: Path) -> dict:
+    """Each phase of a full programming pass, timed separately."""
+    source = ManifestSource(directory)
+    config = AgentConfig(pin_dir=pin_dir, cgroup=lab.cgroup, node=NodeContext("node-1"))
+    agent = Agent(source, "bench", config)
+    agent.start()
+    t0 = time.perf_counter()
+    snapshot = source.poll()
+    t1 = time.perf_counter()
+    translation = agent.translate(snapshot)
+    t2 = time.perf_counter()
+    from kpr.datapath.maps import execute
+    from kpr.datapath.plan import plan
+
+    steps = plan(agent.programmed, translation)
+    t3 = time.perf_counter()
+    result = execute(agent.maps, steps)
+    t4 = time.perf_counter()
+    assert not result.failed, result.errors[:5]
+    agent.maps.close()
+    return {
+        "parse_s": t1 - t0,
+        "translate_s": t2 - t1,
+        "plan_s": t3 - t2,
+        "map_write_s": t4 - t3,
+        "map_operations": steps.writes(),
+        "frontends": len(translation.frontends),
+    }
+
+
+def agent_process(directory: Path, lab: Lab, pin_dir: Path) -> dict:
+    """`kpr run` from empty maps to synced: wall time and resident memory."""
+    argv = [sys.executable, "-m", "kpr.cli", "run", "--source", str(directory),
+            "--cgroup", str(lab.cgroup), "--bpffs", str(pin_dir), "--log-level", "warning"]  # fmt: skip
+    started = time.time()
+    agent = subprocess.Popen(argv)
+    try:
+        while True:
+            state = runstate.load(pin_dir)
+            if state and state.pid == agent.pid and state.last_sync:
+                break
+            if agent.poll() is not None:
+                raise RuntimeError("kpr run exited")
+            time.sleep(0.05)
+        synced = time.time() - started
+        status = Path(f"/proc/{agent.pid}/status").read_text()
+        fields = dict(line.split(":", 1) for line in status.splitlines())
+        return {
+            "start_to_synced_s": synced,
+            "rss_mb": int(fields["VmRSS"].split()[0]) / 1024,
+            "peak_rss_mb": int(fields["VmHWM"].split()[0]) / 1024,
+        }
+    finally:
+        agent.terminate()
+        agent.wait(timeout=30)
+
+
+def latency(lab: Lab, vips: list[str], rounds: int, count: int) -> dict:
+    """Connect latency to the ClusterIPs and directly to the pods, in rounds
+    A B B A ..., so drift in machine load and order effects hit both alike. The
+    ratio is the median of the per-round ratios: the machine is shared and
+    absolute times wander by 10% between minutes."""
+    direct_targets = [(str(p.ipv4), lab.port) for p in lab.pods]
+    vip_targets = [(v, 80) for v in vips]
+    direct, kpr = [], []
+    for i in range(rounds):
+        pair = [(direct, direct_targets), (kpr, vip_targets)]
+        for runs, targets in pair if i % 2 == 0 else reversed(pair):
+            runs.append(measure(lab, targets, count))
+    for runs in (direct, kpr):
+        failures = sum(r["failures"] for r in runs)
+        if failures:
+            raise RuntimeError(f"{failures} connects failed: {runs[0]['errors']}")
+    out = {}
+    for key in ("p50", "p99"):
+        d = [r[f"{key}_ns"] / 1000 for r in direct]
+        k = [r[f"{key}_ns"] / 1000 for r in kpr]
+        out[f"direct_{key}_us"] = statistics.median(d)
+        out[f"kpr_{key}_us"] = statistics.median(k)
+        out[f"kpr_{key}_ratio"] = statistics.median(b / a for a, b in zip(d, k, strict=True))
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--services", type=int, default=10000)
+    parser.add_argument("--endpoints", type=int, default=10)
+    parser.add_argument("--rounds", type=int, default=10)
+    parser.add_argument("--connections", type=int, default=5000)
+    parser.add_argument("--json", type=Path, help="also write the figures here")
+    args = parser.parse_args(argv)
+
+    host.require_root()
+    pin_dir = Path("/sys/fs/bpf") / f"kpr-scale-{os.getpid()}"
+    host.ensure_bpffs(pin_dir)
+    figures: dict = {"services": args.services, "endpoints": args.endpoints}
+    with Lab(pods=args.endpoints, prefix="kprscale") as lab, tempfile.TemporaryDirectory() as tmp:
+        try:
+            real = write_manifests(Path(tmp), args.services, args.endpoints, lab)
+            figures["programming"] = program_in_process(Path(tmp), lab, pin_dir)
+            loader.detach(lab.cgroup)
+            loader.unpin_all(pin_dir)
+            runstate.remove(pin_dir)
+            host.ensure_bpffs(pin_dir)
+            figures["agent"] = agent_process(Path(tmp), lab, pin_dir)
+            figures["latency"] = latency(lab, real, args.rounds, args.connections)
+        finally:
+            loader.detach(lab.cgroup)
+            loader.unpin_all(pin_dir)
+            runstate.remove(pin_dir)
+    print(json.dumps(figures, indent=2))
+    if args.json:
+        args.json.write_text(json.dumps(figures, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
