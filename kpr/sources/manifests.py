@@ -62,6 +62,8 @@ class ManifestSource:
         self._polled = False
         self._definitions: dict[str, list[_Definition]] = {}  # per file, from its last good read
         self._objects: dict[ObjectRef, KubeObject] = {}  # in the last snapshot
+        # per file: (stamp, definitions, problems) of its last read
+        self._files: dict[str, tuple[tuple[int, int], list[_Definition], list[Problem]]] = {}
 
     def poll(self) -> Snapshot | None:
         """A new Snapshot on the first call and after any change; None when nothing changed."""
@@ -78,7 +80,18 @@ class ManifestSource:
             )
             definitions = self._definitions
         else:
-            definitions = {name: self._read_file(name, problems) for name in sorted(stamps)}
+            definitions = {}
+            for name in sorted(stamps):
+                # unchanged files keep their objects and their problems: a large
+                # directory is not re-parsed because one file changed
+                cached = self._files.get(name)
+                if cached is None or cached[0] != stamps[name]:
+                    file_problems: list[Problem] = []
+                    cached = (stamps[name], self._read_file(name, file_problems), file_problems)
+                    self._files[name] = cached
+                definitions[name] = cached[1]
+                problems.extend(cached[2])
+            self._files = {name: self._files[name] for name in stamps}
         self._definitions = definitions
         return self._snapshot(definitions, problems)
 
@@ -106,8 +119,14 @@ class ManifestSource:
 
     def _read_file(self, name: str, problems: list[Problem]) -> list[_Definition]:
         """The objects a file defines; its last good ones when it cannot be parsed."""
+        definitions = []
         try:
-            documents = _load(self.directory / name)
+            # documents are validated as they are parsed, so a large file never
+            # holds all its raw dicts at once
+            for location, document in _objects(_load(self.directory / name), name, problems):
+                definition = self._define(name, location, document, problems)
+                if definition is not None:
+                    definitions.append(definition)
         except _FileError as error:
             kept = self._definitions.get(name, [])
             plural = "" if len(kept) == 1 else "s"
@@ -118,11 +137,6 @@ class ManifestSource:
             )
             problems.append(Problem(f"{error}; {consequence}", source=name))
             return kept
-        definitions = []
-        for location, document in _objects(documents, name, problems):
-            definition = self._define(name, location, document, problems)
-            if definition is not None:
-                definitions.append(definition)
         return definitions
 
     def _define(
@@ -184,19 +198,20 @@ class ManifestSource:
         )
 
 
-def _load(path: Path) -> list[Any]:
-    """The documents of one file, or _FileError saying where it is broken."""
+def _load(path: Path) -> Iterator[Any]:
+    """The documents of one file, one at a time; _FileError says where it is broken."""
     try:
         text = path.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as error:
         raise _FileError(f"cannot be read: {error}") from None
     if path.suffix == ".json":
         try:
-            return [json.loads(text)]
+            yield json.loads(text)
         except json.JSONDecodeError as error:
             raise _FileError(f"not valid JSON at line {error.lineno}: {error.msg}") from None
+        return
     try:
-        return list(yaml.load_all(text, Loader=_LOADER))
+        yield from yaml.load_all(text, Loader=_LOADER)
     except yaml.MarkedYAMLError as error:
         line = f" at line {error.problem_mark.line + 1}" if error.problem_mark else ""
         raise _FileError(f"not valid YAML{line}: {error.problem or error.context}") from None
@@ -205,7 +220,7 @@ def _load(path: Path) -> list[Any]:
 
 
 def _objects(
-    documents: list[Any], source: str, problems: list[Problem]
+    documents: Iterator[Any], source: str, problems: list[Problem]
 ) -> Iterator[tuple[str, object]]:
     """Each object with where it is in the file; Lists unpacked, empty documents skipped."""
     for index, document in enumerate(documents, start=1):
