@@ -106,6 +106,17 @@ struct kpr_sock_revnat6_key {
 	__u32 pad2;
 };
 
+/* A connected socket's service and backend, kept on the socket itself (socket
+ * local storage): getpeername and recvmsg read it, and it goes when the
+ * socket closes. IPv4 uses the first 4 bytes of each address. */
+struct kpr_sock_peer {
+	__u8 service_address[16];
+	__u8 backend_address[16];
+	__u16 service_port;
+	__u16 backend_port;
+	__u32 pad;
+};
+
 #define KPR_PIN(name) KPR_PIN_DIR "/v1_" name
 
 BPF_TABLE_PINNED("hash", struct kpr_service4_key, struct kpr_service, kpr_services4,
@@ -124,6 +135,8 @@ BPF_TABLE_PINNED("lru_hash", struct kpr_sock_revnat4_key, struct kpr_revnat4,
 		 kpr_sock_revnat4, KPR_SOCK_REVNAT_MAX, KPR_PIN("sock_revnat4"), BPF_F_NO_COMMON_LRU);
 BPF_TABLE_PINNED("lru_hash", struct kpr_sock_revnat6_key, struct kpr_revnat6,
 		 kpr_sock_revnat6, KPR_SOCK_REVNAT_MAX, KPR_PIN("sock_revnat6"), BPF_F_NO_COMMON_LRU);
+BPF_TABLE_PINNED("sk_storage", int, struct kpr_sock_peer, kpr_sock_peer, 0,
+		 KPR_PIN("sock_peer"), BPF_F_NO_PREALLOC);
 BPF_TABLE_PINNED("percpu_array", __u32, __u64, kpr_stats, KPR_STAT_MAX,
 		 KPR_PIN("stats"));
 

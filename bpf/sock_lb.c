@@ -53,6 +53,61 @@ static __always_inline int verdict(struct bpf_sock_addr *ctx, int pick)
 	return 1;
 }
 
+/* Connected sockets (TCP, connected UDP) remember their service on the socket:
+ * cheaper than a shared map entry, and gone when the socket closes. `words`
+ * is 1 for IPv4, 4 for IPv6. */
+static __always_inline void remember_peer(struct bpf_sock_addr *ctx, const __u32 *service,
+					  __u16 service_port, const __u32 *backend,
+					  __u16 backend_port, int words)
+{
+	struct bpf_sock *sk = ctx->sk;
+	struct kpr_sock_peer *peer;
+
+	if (!sk)
+		return;
+	peer = kpr_sock_peer.sk_storage_get(sk, 0, BPF_SK_STORAGE_GET_F_CREATE);
+	if (!peer) {
+		stat_inc(KPR_STAT_REVNAT_FULL);
+		return;
+	}
+	__u32 *service_out = (__u32 *)peer->service_address;
+	__u32 *backend_out = (__u32 *)peer->backend_address;
+#pragma unroll
+	for (int i = 0; i < 4; i++) {
+		service_out[i] = i < words ? service[i] : 0;
+		backend_out[i] = i < words ? backend[i] : 0;
+	}
+	peer->service_port = service_port;
+	peer->backend_port = backend_port;
+}
+
+/* If this socket was given `address`:`port` as a backend, put its service there. */
+static __always_inline bool recall_peer(struct bpf_sock_addr *ctx, __u32 *address, __u32 *port,
+					int words)
+{
+	struct bpf_sock *sk = ctx->sk;
+	struct kpr_sock_peer *peer;
+
+	if (!sk)
+		return false;
+	peer = kpr_sock_peer.sk_storage_get(sk, 0, 0);
+	if (!peer || peer->backend_port != bpf_ntohs((__u16)*port))
+		return false;
+	__u32 *backend = (__u32 *)peer->backend_address;
+	__u32 *service = (__u32 *)peer->service_address;
+#pragma unroll
+	for (int i = 0; i < 4; i++)
+		if (i < words && backend[i] != address[i])
+			return false;
+#pragma unroll
+	for (int i = 0; i < 4; i++)
+		if (i < words)
+			address[i] = service[i];
+	*port = bpf_htons(peer->service_port);
+	stat_inc(KPR_STAT_REVERSED);
+	return true;
+}
+
 /* The one place an IPv4 service address becomes a backend. */
 static __always_inline int pick_backend4(struct bpf_sock_addr *ctx, __be32 *address,
 					 __u32 *port, bool by_cookie)
@@ -72,7 +127,7 @@ static __always_inline int pick_backend4(struct bpf_sock_addr *ctx, __be32 *addr
 	if (master->count == 0)
 		return KPR_PICK_REFUSE;
 
-	cookie = bpf_get_socket_cookie(ctx);
+	cookie = by_cookie ? bpf_get_socket_cookie(ctx) : 0;
 	key.slot = pick_slot(master->count, cookie, by_cookie);
 	slot = kpr_services4.lookup(&key);
 	if (!slot)
@@ -82,12 +137,18 @@ static __always_inline int pick_backend4(struct bpf_sock_addr *ctx, __be32 *addr
 	if (!backend)
 		return KPR_PICK_MAP_ERROR;
 
-	struct kpr_sock_revnat4_key rkey = { .cookie = cookie, .port = backend->port };
-	struct kpr_revnat4 rval = { .port = key.port };
-	__builtin_memcpy(rkey.address, backend->address, 4);
-	__builtin_memcpy(rval.address, key.address, 4);
-	if (kpr_sock_revnat4.update(&rkey, &rval))
-		stat_inc(KPR_STAT_REVNAT_FULL);
+	if (!by_cookie) {
+		remember_peer(ctx, (__u32 *)key.address, key.port, (__u32 *)backend->address,
+			      backend->port, 1);
+	} else {
+		/* unconnected UDP may send to several services: one entry per backend */
+		struct kpr_sock_revnat4_key rkey = { .cookie = cookie, .port = backend->port };
+		struct kpr_revnat4 rval = { .port = key.port };
+		__builtin_memcpy(rkey.address, backend->address, 4);
+		__builtin_memcpy(rval.address, key.address, 4);
+		if (kpr_sock_revnat4.update(&rkey, &rval))
+			stat_inc(KPR_STAT_REVNAT_FULL);
+	}
 
 	__builtin_memcpy(address, backend->address, 4);
 	*port = bpf_htons(backend->port);
@@ -100,6 +161,8 @@ static __always_inline void reverse4(struct bpf_sock_addr *ctx, __be32 *address,
 	struct kpr_sock_revnat4_key rkey = {};
 	struct kpr_revnat4 *rval;
 
+	if (recall_peer(ctx, address, port, 1))
+		return;
 	rkey.cookie = bpf_get_socket_cookie(ctx);
 	__builtin_memcpy(rkey.address, address, 4);
 	rkey.port = bpf_ntohs((__u16)*port);
@@ -129,7 +192,7 @@ static __always_inline int pick_backend6(struct bpf_sock_addr *ctx, __u32 addres
 	if (master->count == 0)
 		return KPR_PICK_REFUSE;
 
-	cookie = bpf_get_socket_cookie(ctx);
+	cookie = by_cookie ? bpf_get_socket_cookie(ctx) : 0;
 	key.slot = pick_slot(master->count, cookie, by_cookie);
 	slot = kpr_services6.lookup(&key);
 	if (!slot)
@@ -139,12 +202,17 @@ static __always_inline int pick_backend6(struct bpf_sock_addr *ctx, __u32 addres
 	if (!backend)
 		return KPR_PICK_MAP_ERROR;
 
-	struct kpr_sock_revnat6_key rkey = { .cookie = cookie, .port = backend->port };
-	struct kpr_revnat6 rval = { .port = key.port };
-	__builtin_memcpy(rkey.address, backend->address, 16);
-	__builtin_memcpy(rval.address, key.address, 16);
-	if (kpr_sock_revnat6.update(&rkey, &rval))
-		stat_inc(KPR_STAT_REVNAT_FULL);
+	if (!by_cookie) {
+		remember_peer(ctx, (__u32 *)key.address, key.port, (__u32 *)backend->address,
+			      backend->port, 4);
+	} else {
+		struct kpr_sock_revnat6_key rkey = { .cookie = cookie, .port = backend->port };
+		struct kpr_revnat6 rval = { .port = key.port };
+		__builtin_memcpy(rkey.address, backend->address, 16);
+		__builtin_memcpy(rval.address, key.address, 16);
+		if (kpr_sock_revnat6.update(&rkey, &rval))
+			stat_inc(KPR_STAT_REVNAT_FULL);
+	}
 
 	__builtin_memcpy(address, backend->address, 16);
 	*port = bpf_htons(backend->port);
@@ -156,6 +224,8 @@ static __always_inline void reverse6(struct bpf_sock_addr *ctx, __u32 address[4]
 	struct kpr_sock_revnat6_key rkey = {};
 	struct kpr_revnat6 *rval;
 
+	if (recall_peer(ctx, address, port, 4))
+		return;
 	rkey.cookie = bpf_get_socket_cookie(ctx);
 	__builtin_memcpy(rkey.address, address, 16);
 	rkey.port = bpf_ntohs((__u16)*port);
