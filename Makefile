@@ -1,0 +1,30 @@
+# Two commands do all the set-up on a fresh Debian 12 machine, as root:
+#   make demo   -- kpr on its embedded default: a throwaway netns lab, real connections
+#   make test   -- the test suite (unit tests, and real-kernel tests when root)
+# Both run deploy/host-setup.sh first: apt packages, the kernel-headers layout BCC
+# needs, bpffs, and the venv at .venv with the `kpr` command. It is idempotent.
+
+VENV := .venv
+PYTHON := $(VENV)/bin/python
+
+.PHONY: setup demo test lint scale clean
+
+setup:
+	sh deploy/host-setup.sh --venv $(VENV)
+
+demo: setup
+	$(VENV)/bin/kpr demo
+
+test: setup
+	$(PYTHON) -m pytest -q
+
+lint: setup
+	$(VENV)/bin/ruff check kpr tests
+	$(VENV)/bin/ruff format --check kpr tests
+
+# The figures in README.md: 10,000 services x 10 endpoints.
+scale: setup
+	$(PYTHON) -m kpr.lab.scale --services 10000 --endpoints 10
+
+clean:
+	rm -rf $(VENV) *.egg-info .pytest_cache .ruff_cache
