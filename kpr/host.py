@@ -7,6 +7,7 @@ what to do, in one paragraph, instead of a stack trace from deep below.
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 from pathlib import Path
 
@@ -23,7 +24,9 @@ def mounts() -> list[tuple[Path, str]]:
     for line in Path("/proc/self/mountinfo").read_text().splitlines():
         fields = line.split()
         sep = fields.index("-")
-        out.append((Path(fields[4]), fields[sep + 1]))
+        # mountinfo escapes whitespace in paths as octal (\040)
+        mount_point = re.sub(r"\\([0-7]{3})", lambda m: chr(int(m[1], 8)), fields[4])
+        out.append((Path(mount_point), fields[sep + 1]))
     return out
 
 
@@ -37,6 +40,16 @@ def cgroup2_root() -> Path:
         "`mount -t cgroup2 none /sys/fs/cgroup/unified` (or boot with systemd's unified or "
         "hybrid cgroup layout) and pass it with --cgroup if it is not the only one."
     )
+
+
+def process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # exists, owned by someone else
+    return True
 
 
 def require_root() -> None:

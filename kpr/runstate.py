@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -64,6 +65,21 @@ def load(pin_dir: Path) -> RunState | None:
         return RunState(**json.loads(path.read_text()))
     except (FileNotFoundError, json.JSONDecodeError, TypeError):
         return None
+
+
+def wait_synced(
+    pin_dir: Path, agent: subprocess.Popen, after: float = 0.0, timeout: float = 60.0
+) -> RunState:
+    """Until the agent process `agent` records a sync later than `after`."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        state = load(pin_dir)
+        if state and state.pid == agent.pid and (state.last_sync or 0) > after:
+            return state
+        if agent.poll() is not None:
+            raise RuntimeError(f"kpr run exited with {agent.returncode} before syncing")
+        time.sleep(0.05)
+    raise TimeoutError(f"kpr run did not sync within {timeout}s")
 
 
 def remove(pin_dir: Path) -> None:

@@ -5,11 +5,10 @@
 
 from __future__ import annotations
 
-import os
 import time
 from pathlib import Path
 
-from kpr import runstate
+from kpr import host, runstate
 from kpr.datapath import loader
 from kpr.datapath.maps import BpfMaps
 from kpr.datapath.plan import ProgrammedState
@@ -44,16 +43,6 @@ def drift(desired: dict[str, dict], held: list[str], programmed: dict[str, list[
     return out
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def report(pin_dir: Path) -> dict:
     if not pin_dir.is_dir():
         raise FileNotFoundError(
@@ -86,7 +75,7 @@ def report(pin_dir: Path) -> dict:
     if state:
         agent = {
             "pid": state.pid,
-            "running": _alive(state.pid),
+            "running": host.process_alive(state.pid),
             "source": state.source,
             "cgroup": state.cgroup,
             "last_sync": state.last_sync,

@@ -68,14 +68,10 @@ class AgentProcess:
     def wait_synced(self, after: float | None = None, timeout: float = 30) -> runstate.RunState:
         """Until the agent has synced (after `after`, default: its start)."""
         after = after if after is not None else self.started
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            state = runstate.load(self.pin_dir)
-            if state and state.pid == self.process.pid and (state.last_sync or 0) > after:
-                return state
-            assert self.process.poll() is None, self.log.read_text()
-            time.sleep(0.05)
-        raise AssertionError(f"agent did not sync in {timeout}s:\n{self.log.read_text()}")
+        try:
+            return runstate.wait_synced(self.pin_dir, self.process, after, timeout)
+        except (RuntimeError, TimeoutError) as err:
+            raise AssertionError(f"{err}:\n{self.log.read_text()}") from err
 
     def kill(self, sig: int = signal.SIGKILL) -> None:
         if self.process and self.process.poll() is None:

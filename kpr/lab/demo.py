@@ -11,7 +11,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 from collections import Counter
 from pathlib import Path
 
@@ -24,18 +23,6 @@ KPR = [sys.executable, "-m", "kpr.cli"]
 
 def _say(text: str = "") -> None:
     print(text, flush=True)
-
-
-def _wait_synced(agent: subprocess.Popen, pin_dir: Path, timeout: float = 60) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        state = runstate.load(pin_dir)
-        if state and state.pid == agent.pid and state.last_sync:
-            return
-        if agent.poll() is not None:
-            raise RuntimeError("kpr run exited; its log is above")
-        time.sleep(0.1)
-    raise RuntimeError(f"kpr run did not sync within {timeout}s")
 
 
 def _probe(lab: Lab, *args: object) -> list[dict]:
@@ -80,7 +67,7 @@ def main(pods: int = 3, connections: int = 300) -> int:
              "--bpffs", str(pin_dir), "--node-name", "node-1"],
         )  # fmt: skip
         try:
-            _wait_synced(agent, pin_dir)
+            runstate.wait_synced(pin_dir, agent)
             _say()
             ok &= _show_spread(
                 "TCP to ClusterIP 10.96.0.10:80",

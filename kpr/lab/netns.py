@@ -34,6 +34,8 @@ from ipaddress import IPv4Address, IPv4Network, IPv6Address, IPv6Network
 from pathlib import Path
 from typing import IO
 
+from kpr.host import cgroup2_root, process_alive
+
 FIRST_POD_HOST = 11
 READY_TIMEOUT_S = 10.0
 SERVER_STOP_TIMEOUT_S = 2.0
@@ -42,21 +44,6 @@ CGROUP_DRAIN_TIMEOUT_S = 5.0
 _REPO_ROOT = Path(__file__).resolve().parents[2]
 _lab_counter = itertools.count()
 _live_labs: set[Lab] = set()
-
-
-def cgroup2_root() -> Path:
-    """Mount point of the cgroup v2 hierarchy (``/sys/fs/cgroup``; hybrid: ``.../unified``)."""
-    for line in Path("/proc/self/mountinfo").read_text().splitlines():
-        mount_fields, _, fs_fields = line.partition(" - ")
-        if fs_fields.split()[0] == "cgroup2":
-            # mountinfo escapes whitespace in paths as octal (\040).
-            return Path(
-                re.sub(r"\\([0-7]{3})", lambda m: chr(int(m[1], 8)), mount_fields.split()[4])
-            )
-    raise RuntimeError(
-        "no cgroup2 filesystem is mounted (no fstype cgroup2 in /proc/self/mountinfo); "
-        "the lab needs cgroup v2, e.g. `mount -t cgroup2 none /sys/fs/cgroup/unified`"
-    )
 
 
 @dataclass
@@ -322,13 +309,13 @@ def cleanup_stale(prefix: str = "kprlab") -> list[str]:
     removed: list[str] = []
     netns_pattern = re.compile(rf"{re.escape(prefix)}-(\d+)-\d+-")
     for name in _netns_names():
-        if (match := netns_pattern.match(name)) and not _pid_alive(int(match[1])):
+        if (match := netns_pattern.match(name)) and not process_alive(int(match[1])):
             _delete_netns(name)
             removed.append(name)
     cgroup_pattern = re.compile(rf"kpr-lab-{re.escape(prefix)}-(\d+)-\d+")
     for path in cgroup2_root().iterdir():
         match = cgroup_pattern.fullmatch(path.name)
-        if match and path.is_dir() and not _pid_alive(int(match[1])):
+        if match and path.is_dir() and not process_alive(int(match[1])):
             _remove_cgroup(path)
             removed.append(str(path))
     return removed
@@ -395,16 +382,6 @@ def _remove_cgroup(path: Path) -> None:
 def _kill(pid: int) -> None:
     with contextlib.suppress(ProcessLookupError):  # it exited on its own meanwhile
         os.kill(pid, signal.SIGKILL)
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def _python_env() -> dict[str, str]:

@@ -112,17 +112,12 @@ def program_in_process(directory: Path, lab: Lab, pin_dir: Path) -> dict:
 def agent_process(directory: Path, lab: Lab, pin_dir: Path) -> dict:
     """`kpr run` from empty maps to synced: wall time and resident memory."""
     argv = [sys.executable, "-m", "kpr.cli", "run", "--source", str(directory),
-            "--cgroup", str(lab.cgroup), "--bpffs", str(pin_dir), "--log-level", "warning"]  # fmt: skip
+            "--cgroup", str(lab.cgroup), "--bpffs", str(pin_dir),
+            "--log-level", "warning"]  # fmt: skip
     started = time.time()
     agent = subprocess.Popen(argv)
     try:
-        while True:
-            state = runstate.load(pin_dir)
-            if state and state.pid == agent.pid and state.last_sync:
-                break
-            if agent.poll() is not None:
-                raise RuntimeError("kpr run exited")
-            time.sleep(0.05)
+        runstate.wait_synced(pin_dir, agent, timeout=600)
         synced = time.time() - started
         status = Path(f"/proc/{agent.pid}/status").read_text()
         fields = dict(line.split(":", 1) for line in status.splitlines())
