@@ -90,6 +90,7 @@ class EndpointSlice:
     ports: tuple[EndpointPort, ...] = ()
     endpoints: tuple[Endpoint, ...] = ()
     labels: Mapping[str, str] = field(default_factory=dict)
+    trigger_time: float | None = None  # endpoints.kubernetes.io/last-change-trigger-time
 
     @property
     def ref(self) -> ObjectRef:
@@ -173,6 +174,23 @@ class Problem:
         return f"{where}: {what}" if where else what
 
 
+ServiceKey = tuple[str, str]  # (namespace, name)
+
+
+@dataclass
+class Snapshot:
+    """What a source holds now. `changed` names the Services whose objects (the
+    Service or its slices) changed since the last snapshot, and then `services`
+    and `slices` hold only those; None: everything, the whole state."""
+
+    services: list[Service]
+    slices: list[EndpointSlice]
+    problems: list[Problem]
+    changed: set[ServiceKey] | None = None
+    zone: str | None = None  # this node's topology.kubernetes.io/zone
+    node_deleting: bool = False
+
+
 @dataclass
 class Translation:
     """The output of translation: the whole desired state of the datapath.
@@ -184,3 +202,4 @@ class Translation:
     frontends: dict[Frontend, FrontendState] = field(default_factory=dict)
     held: set[Frontend] = field(default_factory=set)
     problems: list[Problem] = field(default_factory=list)
+    owners: dict[Frontend, ServiceKey] = field(default_factory=dict)  # which Service has it

@@ -8,6 +8,7 @@ a bad field raises ObjectError naming the object and the field path.
 from __future__ import annotations
 
 from collections.abc import Callable
+from datetime import datetime
 from ipaddress import ip_address
 from typing import Any
 
@@ -291,7 +292,24 @@ def parse_endpoint_slice(obj: dict[str, Any]) -> EndpointSlice:
             for i, endpoint in enumerate(endpoints)
         ),
         labels=labels,
+        trigger_time=_trigger_time(obj, ref),
     )
+
+
+TRIGGER_TIME_ANNOTATION = "endpoints.kubernetes.io/last-change-trigger-time"
+
+
+def _trigger_time(obj: dict[str, Any], ref: ObjectRef) -> float | None:
+    """When the change this slice carries happened (for network programming latency);
+    an unreadable value only loses the measurement, never the slice."""
+    annotations = (obj.get("metadata") or {}).get("annotations") or {}
+    value = annotations.get(TRIGGER_TIME_ANNOTATION) if isinstance(annotations, dict) else None
+    if not isinstance(value, str):
+        return None
+    try:
+        return datetime.fromisoformat(value.replace("Z", "+00:00")).timestamp()
+    except ValueError:
+        return None
 
 
 def _endpoint_port(value: object, ref: ObjectRef, path: str) -> EndpointPort:

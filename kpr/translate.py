@@ -22,6 +22,7 @@ from kpr.model import (
     ObjectRef,
     Problem,
     Service,
+    ServiceKey,
     ServicePort,
     Translation,
 )
@@ -29,7 +30,6 @@ from kpr.objects import SERVICE_NAME_LABEL
 
 SERVICE_PROXY_NAME_LABEL = "service.kubernetes.io/service-proxy-name"
 
-ServiceKey = tuple[str, str]  # (namespace, name)
 
 
 def translate(
@@ -45,6 +45,11 @@ def translate(
         if is_served(service, node):
             service_slices = slices_by_service.get((service.namespace, service.name), [])
             _translate_service(service, service_slices, node, owners, translation)
+    translation.owners = {
+        frontend: (ref.namespace, ref.name)
+        for frontend, ref in owners.items()
+        if frontend in translation.frontends or frontend in translation.held
+    }
     return translation
 
 

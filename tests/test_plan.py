@@ -169,3 +169,26 @@ def test_tcp_and_udp_on_one_port_are_two_frontends(protocol):
     )
     sync(maps, translation)
     assert served(maps)[fe(1, protocol)] == {be(1) if protocol == "TCP" else be(2)}
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(states, min_size=2, max_size=6))
+def test_plans_for_only_the_changed_frontends_end_in_the_same_maps(sequence):
+    maps = strict_maps()
+    predicted = maps.read()
+    before = Translation()
+    for step in sequence:
+        after = want(**step)
+        touched = {
+            f
+            for f in before.frontends.keys() | after.frontends.keys()
+            if before.frontends.get(f) != after.frontends.get(f)
+        }
+        steps = plan(predicted, after, touched)
+        assert not execute(maps, steps).failed
+        apply_plan(predicted, steps)
+        before = after
+    assert served(maps) == {fe(ord(k) - 96): {be(b) for b in v} for k, v in sequence[-1].items()}
+    referenced = {b for s in maps.read().services.values() for b in s.slots}
+    assert set(maps.backends) == referenced  # no backend leaked by partial plans
+    assert len(maps.revnat) == len(sequence[-1])

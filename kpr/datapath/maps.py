@@ -75,7 +75,7 @@ def decode(
         master = services.get((frontend, 0))
         if slot and (master is None or slot > master.count):
             state.stray_slots.add((frontend, slot))
-    return state
+    return state.reindex()
 
 
 def execute(maps: Maps, steps: Plan) -> WriteResult:
@@ -265,7 +265,7 @@ class BpfMaps:
                 state.revnat[sid] = full
             else:
                 state.revnat[sid] = partial  # orphan: plan() deletes it
-        return state
+        return state.reindex()
 
     def _write(self, entries: list[tuple[str, bytes, bytes]], labels: list) -> WriteResult:
         """Batch-write packed entries, one syscall per map; on error fall back to

@@ -15,6 +15,7 @@ backends that exist.
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, field
 
 from kpr.model import Backend, Frontend, FrontendState, Translation
@@ -39,6 +40,19 @@ class ProgrammedState:
     # slot entries no master counts (above the count, or without a master):
     # left by an interrupted write, removed by the next plan
     stray_slots: set[tuple[Frontend, int]] = field(default_factory=set)
+    # indexes, so a plan for a few frontends costs nothing per other frontend
+    backend_index: dict[Backend, int] = field(default_factory=dict)
+    refs: Counter[int] = field(default_factory=Counter)  # slots naming each backend
+    max_backend_id: int = 0
+    max_service_id: int = 0
+
+    def reindex(self) -> ProgrammedState:
+        self.backend_index = {backend: bid for bid, backend in self.backends.items()}
+        self.refs = Counter(b for s in self.services.values() for b in s.slots)
+        self.max_backend_id = max(self.backends, default=0)
+        ids = {s.service_id for s in self.services.values()} | set(self.revnat)
+        self.max_service_id = max(ids, default=0)
+        return self
 
 
 @dataclass(frozen=True)
@@ -88,54 +102,54 @@ def assign_slots(current: list[int], wanted: list[int]) -> list[int]:
     return [b for b in slots if b is not None]
 
 
-class _Ids:
-    """Allocates ids above the highest in use, so an id is never reused while a
-    map entry written before may still name it."""
-
-    def __init__(self, used: set[int]) -> None:
-        self.next = max(used, default=0) + 1
-
-    def take(self) -> int:
-        value = self.next
-        self.next += 1
-        return value
-
-
-def plan(programmed: ProgrammedState, translation: Translation) -> Plan:
-    """The ordered writes that make `programmed` equal to `translation`."""
+def plan(
+    programmed: ProgrammedState,
+    translation: Translation,
+    touched: set[Frontend] | None = None,
+) -> Plan:
+    """The ordered writes that make `programmed` equal to `translation`; with
+    `touched`, only for those frontends (the others are taken as they are)."""
     out = Plan()
     desired: dict[Frontend, FrontendState] = translation.frontends
     held = translation.held & programmed.services.keys()
+    if touched is None:
+        wanted_frontends = set(desired)
+        stale = [f for f in programmed.services if f not in desired and f not in held]
+    else:
+        wanted_frontends = touched & desired.keys()
+        stale = [
+            f for f in touched if f in programmed.services and f not in desired and f not in held
+        ]
 
-    backend_ids = {backend: bid for bid, backend in programmed.backends.items()}
-    new_backend_ids = _Ids(set(programmed.backends))
-    service_ids = _Ids(
-        {s.service_id for s in programmed.services.values()} | set(programmed.revnat)
-    )
+    next_backend_id = programmed.max_backend_id
+    next_service_id = programmed.max_service_id
+    new_backends: dict[Backend, int] = {}
+    refs = Counter[int]()  # change in the number of slots naming each backend
 
     def backend_id(backend: Backend) -> int:
-        if backend not in backend_ids:
-            backend_ids[backend] = new_backend_ids.take()
-            out.backend_writes[backend_ids[backend]] = backend
-        return backend_ids[backend]
+        nonlocal next_backend_id
+        bid = programmed.backend_index.get(backend) or new_backends.get(backend)
+        if bid is None:
+            next_backend_id += 1
+            bid = new_backends[backend] = next_backend_id
+            out.backend_writes[bid] = backend
+        return bid
 
-    referenced: set[int] = set()
-    for frontend in held:
-        referenced.update(programmed.services[frontend].slots)
-
-    for frontend in sorted(desired):
+    for frontend in sorted(wanted_frontends):
         state = desired[frontend]
         wanted = [backend_id(b) for b in state.backends]
-        referenced.update(wanted)
         current = programmed.services.get(frontend)
         if current is None:
-            service_id = service_ids.take()
+            next_service_id += 1
+            service_id = next_service_id
             slots = wanted
             old_slots: list[int] = []
         else:
             service_id = current.service_id
             old_slots = current.slots
             slots = assign_slots(old_slots, wanted)
+        refs.update(slots)
+        refs.subtract(old_slots)
         for i, bid in enumerate(slots, start=1):
             if i > len(old_slots) or old_slots[i - 1] != bid:
                 out.slot_writes[(frontend, i)] = bid
@@ -151,23 +165,30 @@ def plan(programmed: ProgrammedState, translation: Translation) -> Plan:
             )
         out.slot_deletes.extend((frontend, i) for i in range(len(slots) + 1, len(old_slots) + 1))
 
-    kept = desired.keys() | held
-    live_service_ids = set()
-    for frontend, current in sorted(programmed.services.items()):
-        if frontend in kept:
-            live_service_ids.add(current.service_id)
-            continue
+    for frontend in sorted(stale):
+        current = programmed.services[frontend]
         out.master_deletes.append(frontend)
         out.slot_deletes.extend((frontend, i) for i in range(1, len(current.slots) + 1))
-    live_service_ids.update(out.revnat_writes)
-    out.slot_deletes.extend(
-        key for key in sorted(programmed.stray_slots) if key not in out.slot_writes
-    )
-    out.revnat_deletes = {
-        sid: f for sid, f in sorted(programmed.revnat.items()) if sid not in live_service_ids
-    }
+        refs.subtract(current.slots)
+        if current.service_id in programmed.revnat:
+            out.revnat_deletes[current.service_id] = programmed.revnat[current.service_id]
+
+    if touched is None:
+        out.slot_deletes.extend(
+            key for key in sorted(programmed.stray_slots) if key not in out.slot_writes
+        )
+        live = {s.service_id for f, s in programmed.services.items() if f not in stale}
+        live.update(out.revnat_writes)
+        out.revnat_deletes = {
+            sid: f for sid, f in sorted(programmed.revnat.items()) if sid not in live
+        }
+        candidates = list(programmed.backends)
+    else:
+        candidates = [bid for bid, change in refs.items() if change < 0]
     out.backend_deletes = {
-        bid: b for bid, b in sorted(programmed.backends.items()) if bid not in referenced
+        bid: programmed.backends[bid]
+        for bid in sorted(candidates)
+        if bid in programmed.backends and programmed.refs[bid] + refs[bid] <= 0
     }
     return out
 
@@ -175,6 +196,9 @@ def plan(programmed: ProgrammedState, translation: Translation) -> Plan:
 def apply_plan(programmed: ProgrammedState, steps: Plan) -> None:
     """Update the in-memory picture of the maps as if all of `steps` were written."""
     programmed.backends.update(steps.backend_writes)
+    for bid, backend in steps.backend_writes.items():
+        programmed.backend_index[backend] = bid
+        programmed.max_backend_id = max(programmed.max_backend_id, bid)
     written: dict[Frontend, dict[int, int]] = {}
     for (frontend, slot), bid in steps.slot_writes.items():
         written.setdefault(frontend, {})[slot] = bid
@@ -186,21 +210,25 @@ def apply_plan(programmed: ProgrammedState, steps: Plan) -> None:
         if master := masters.get(frontend):
             count, service_id, affinity = master.count, master.service_id, master.affinity_timeout
         elif current:
-            count, service_id, affinity = (
-                len(current.slots),
-                current.service_id,
-                current.affinity_timeout,
-            )
+            count, service_id = len(current.slots), current.service_id
+            affinity = current.affinity_timeout
         else:
             continue  # slots without a master: never planned
-        programmed.services[frontend] = ProgrammedService(
-            service_id, [slots[i] for i in range(1, count + 1)], affinity
-        )
+        if current:
+            programmed.refs.subtract(current.slots)
+        new = ProgrammedService(service_id, [slots[i] for i in range(1, count + 1)], affinity)
+        programmed.services[frontend] = new
+        programmed.refs.update(new.slots)
     programmed.revnat.update(steps.revnat_writes)
+    programmed.max_service_id = max(programmed.max_service_id, *steps.revnat_writes, 0)
     for frontend in steps.master_deletes:
-        programmed.services.pop(frontend, None)
+        gone = programmed.services.pop(frontend, None)
+        if gone:
+            programmed.refs.subtract(gone.slots)
     programmed.stray_slots.difference_update(steps.slot_deletes)
     for sid in steps.revnat_deletes:
         programmed.revnat.pop(sid, None)
     for bid in steps.backend_deletes:
-        programmed.backends.pop(bid, None)
+        backend = programmed.backends.pop(bid, None)
+        programmed.backend_index.pop(backend, None)
+        programmed.refs.pop(bid, None)

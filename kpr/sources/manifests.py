@@ -17,7 +17,7 @@ from typing import Any
 
 import yaml
 
-from kpr.model import EndpointSlice, ObjectRef, Problem, Service
+from kpr.model import EndpointSlice, ObjectRef, Problem, Service, Snapshot
 from kpr.objects import ObjectError, parse_object
 
 MANIFEST_SUFFIXES = (".yaml", ".yml", ".json")
@@ -26,15 +26,6 @@ KubeObject = Service | EndpointSlice
 
 # libyaml's parser when present: ten times faster on large directories
 _LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
-
-
-@dataclass
-class Snapshot:
-    """Everything the directory defines now, and what is wrong with it."""
-
-    services: list[Service]
-    slices: list[EndpointSlice]
-    problems: list[Problem]
 
 
 @dataclass(frozen=True)

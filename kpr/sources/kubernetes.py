@@ -1,0 +1,376 @@
+"""The Kubernetes source: list, then watch Services, EndpointSlices and this Node.
+
+One `Watcher` per (resource, label selector), each a thread running the
+list → watch loop of client-go's reflector, on the official client:
+  list (remember its resourceVersion) → watch from it, with bookmarks, a
+  server-side timeout and a client-side read timeout → a watch that ends
+  normally resumes from the last version seen → `410 Gone` lists again →
+  any other failure backs off exponentially with jitter and resumes.
+Objects are kept as validated model objects; what changed is tracked per
+Service, so the agent re-translates only those.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import random
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from kubernetes import client, watch
+from kubernetes.client.rest import ApiException
+
+from kpr.model import EndpointSlice, ObjectRef, Problem, Service, ServiceKey, Snapshot
+from kpr.objects import ObjectError, parse_endpoint_slice, parse_service
+
+log = logging.getLogger(__name__)
+
+SERVICE_PROXY_NAME_LABEL = "service.kubernetes.io/service-proxy-name"
+HEADLESS_LABEL = "service.kubernetes.io/headless"
+ZONE_LABEL = "topology.kubernetes.io/zone"
+
+
+def label_selectors(proxy_name: str) -> list[str]:
+    """kube-proxy's selector (no other proxy's label, not headless), and the
+    Services that name kpr as their proxy. Label selectors cannot say "or"."""
+    return [
+        f"!{SERVICE_PROXY_NAME_LABEL},!{HEADLESS_LABEL}",
+        f"{SERVICE_PROXY_NAME_LABEL}={proxy_name},!{HEADLESS_LABEL}",
+    ]
+
+
+@dataclass
+class Backoff:
+    """Exponential back-off with full jitter, reset after a success."""
+
+    initial: float = 0.5
+    maximum: float = 30.0
+    attempt: int = 0
+
+    def next_delay(self) -> float:
+        delay = min(self.maximum, self.initial * 2**self.attempt)
+        self.attempt += 1
+        return random.uniform(delay / 2, delay)
+
+    def reset(self) -> None:
+        self.attempt = 0
+
+
+@dataclass
+class WatchStats:
+    lists: int = 0
+    relists: int = 0  # lists after 410 Gone
+    restarts: int = 0  # watches resumed after a failure
+    connected: bool = False
+    synced: bool = False
+    last_event: float | None = None
+    last_error: str | None = None
+
+
+class Watcher(threading.Thread):
+    """The reflector loop for one resource and selector, feeding `on_list` and `on_event`."""
+
+    def __init__(
+        self,
+        name: str,
+        list_fn: Callable,
+        on_list: Callable[[str, list[dict]], None],
+        on_event: Callable[[str, str, dict], None],
+        stop: threading.Event,
+        label_selector: str | None = None,
+        field_selector: str | None = None,
+        watch_timeout: float = 300.0,
+        request_timeout: float = 30.0,
+    ) -> None:
+        super().__init__(name=f"watch-{name}", daemon=True)
+        self.resource = name
+        self.list_fn = list_fn
+        self.on_list = on_list
+        self.on_event = on_event
+        self.stop_event = stop
+        self.selectors = {}
+        if label_selector:
+            self.selectors["label_selector"] = label_selector
+        if field_selector:
+            self.selectors["field_selector"] = field_selector
+        self.watch_timeout = watch_timeout
+        self.request_timeout = request_timeout
+        self.stats = WatchStats()
+        self.backoff = Backoff()
+        self._watch: watch.Watch | None = None
+
+    def run(self) -> None:
+        version: str | None = None
+        while not self.stop_event.is_set():
+            try:
+                if version is None:
+                    version = self._list()
+                version = self._watch_from(version)
+                self.backoff.reset()
+            except ApiException as err:
+                self.stats.connected = False
+                if err.status == 410:
+                    log.info("%s: resourceVersion %s expired (410): listing again", self.name, version)
+                    self.stats.relists += 1
+                    version = None
+                    continue
+                self._failed(f"API error {err.status}: {err.reason}")
+            except Exception as err:  # network errors, timeouts: the server may come back
+                self.stats.connected = False
+                self._failed(f"{type(err).__name__}: {err}")
+
+    def _failed(self, reason: str) -> None:
+        self.stats.restarts += 1
+        self.stats.last_error = reason
+        delay = self.backoff.next_delay()
+        log.warning("%s: %s; retrying in %.1fs", self.name, reason, delay)
+        self.stop_event.wait(delay)
+
+    def _list(self) -> str:
+        response = self.list_fn(
+            **self.selectors, _preload_content=False, _request_timeout=self.request_timeout
+        )
+        body = json.loads(response.data)
+        self.stats.lists += 1
+        self.on_list(self.resource, body.get("items") or [])
+        self.stats.synced = True
+        self.stats.last_event = time.time()
+        return body["metadata"]["resourceVersion"]
+
+    def _watch_from(self, version: str) -> str:
+        """Watch until the server ends the stream; the last version seen."""
+        self._watch = watch.Watch()
+        # the server ends the watch after timeout_seconds (jittered, as client-go
+        # does); a read that stays silent past that means a dead connection
+        timeout = int(self.watch_timeout * random.uniform(1.0, 1.2))
+        stream = self._watch.stream(
+            self.list_fn,
+            **self.selectors,
+            resource_version=version,
+            allow_watch_bookmarks=True,
+            timeout_seconds=timeout,
+            _request_timeout=(self.request_timeout, timeout + self.request_timeout),
+            deserialize=False,
+        )
+        self.stats.connected = True
+        for event in stream:
+            if self.stop_event.is_set():
+                self._watch.stop()
+                break
+            kind, obj = event["type"], event["object"]
+            if kind == "ERROR":
+                status = obj.get("code", 500)
+                raise ApiException(status=status, reason=obj.get("message", ""))
+            metadata = obj.get("metadata") or {}
+            version = metadata.get("resourceVersion", version)
+            self.stats.last_event = time.time()
+            if kind != "BOOKMARK":
+                self.on_event(self.resource, kind, obj)
+        return version
+
+    def close(self) -> None:
+        if self._watch is not None:
+            self._watch.stop()
+
+
+@dataclass
+class _Store:
+    """Validated objects by key, per watcher, and the keys of Services that changed."""
+
+    services: dict[str, dict[ObjectRef, Service]] = field(default_factory=dict)
+    slices: dict[str, dict[ObjectRef, EndpointSlice]] = field(default_factory=dict)
+    problems: dict[ObjectRef, Problem] = field(default_factory=dict)
+    changed: set[ServiceKey] = field(default_factory=set)
+    everything_changed: bool = True
+    zone: str | None = None
+    node_deleting: bool = False
+
+
+def _service_key(obj: Service | EndpointSlice) -> ServiceKey | None:
+    if isinstance(obj, Service):
+        return (obj.namespace, obj.name)
+    return (obj.namespace, obj.service_name) if obj.service_name else None
+
+
+class KubernetesSource:
+    """Services, EndpointSlices and this Node from the API server."""
+
+    def __init__(
+        self,
+        api: client.ApiClient,
+        node_name: str,
+        proxy_name: str = "kpr",
+        watch_timeout: float = 300.0,
+        request_timeout: float = 30.0,
+        on_invalid: Callable[[str], None] | None = None,
+    ) -> None:
+        self.api = api
+        self.node_name = node_name
+        self.description = f"kubernetes:{api.configuration.host}"
+        self._lock = threading.Lock()
+        self._changes = threading.Event()
+        self._stop = threading.Event()
+        self._store = _Store()
+        self._on_invalid = on_invalid or (lambda kind: None)
+        core = client.CoreV1Api(api)
+        discovery = client.DiscoveryV1Api(api)
+        common = {"watch_timeout": watch_timeout, "request_timeout": request_timeout}
+        self.watchers: list[Watcher] = []
+        for i, selector in enumerate(label_selectors(proxy_name)):
+            for name, fn in (
+                (f"services-{i}", core.list_service_for_all_namespaces),
+                (f"endpointslices-{i}", discovery.list_endpoint_slice_for_all_namespaces),
+            ):
+                self.watchers.append(
+                    Watcher(name, fn, self._listed, self._event, self._stop, selector, **common)
+                )
+        self.watchers.append(
+            Watcher(
+                "node",
+                core.list_node,
+                self._listed,
+                self._event,
+                self._stop,
+                field_selector=f"metadata.name={node_name}",
+                **common,
+            )
+        )
+
+    def start(self) -> None:
+        for watcher in self.watchers:
+            watcher.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        for watcher in self.watchers:
+            watcher.close()
+
+    @property
+    def synced(self) -> bool:
+        """Services and EndpointSlices have all been listed once (the Node is optional:
+        kpr serves without it, as kube-proxy does)."""
+        return all(w.stats.synced for w in self.watchers if w.resource != "node")
+
+    def wait(self, timeout: float) -> bool:
+        """Until something changed (True) or `timeout` passed."""
+        changed = self._changes.wait(timeout)
+        self._changes.clear()
+        return changed
+
+    # --- feeding the store (watcher threads) --------------------------------------
+
+    def _parse(self, resource: str, obj: dict) -> Service | EndpointSlice | None:
+        parse = parse_service if resource.startswith("services") else parse_endpoint_slice
+        kind = "Service" if resource.startswith("services") else "EndpointSlice"
+        metadata = obj.get("metadata") or {}
+        ref = ObjectRef(kind, metadata.get("namespace") or "default", metadata.get("name") or "?")
+        try:
+            parsed = parse(obj)
+        except ObjectError as err:
+            # the last good version stays: nothing already programmed is lost
+            self._store.problems[ref] = Problem(f"{err.message}; skipped", err.ref or ref, err.field)
+            self._on_invalid(kind)
+            log.warning("invalid %s: %s", ref, err)
+            return None
+        self._store.problems.pop(ref, None)
+        return parsed
+
+    def _table(self, resource: str) -> dict:
+        tables = self._store.services if resource.startswith("services") else self._store.slices
+        return tables.setdefault(resource, {})
+
+    def _listed(self, resource: str, items: list[dict]) -> None:
+        with self._lock:
+            if resource == "node":
+                self._node(items[0] if items else None)
+            else:
+                table = self._table(resource)
+                old = dict(table)
+                table.clear()
+                for obj in items:
+                    parsed = self._parse(resource, obj)
+                    ref = _ref(resource, obj)
+                    if parsed is not None:
+                        table[ref] = parsed
+                    elif ref in old:
+                        table[ref] = old[ref]
+                self._store.everything_changed = True
+        self._changes.set()
+
+    def _event(self, resource: str, kind: str, obj: dict) -> None:
+        with self._lock:
+            if resource == "node":
+                self._node(None if kind == "DELETED" else obj)
+                self._store.everything_changed = True
+            else:
+                table = self._table(resource)
+                ref = _ref(resource, obj)
+                before = table.get(ref)
+                if kind == "DELETED":
+                    table.pop(ref, None)
+                    self._store.problems.pop(ref, None)
+                else:
+                    parsed = self._parse(resource, obj)
+                    if parsed is None:
+                        return
+                    table[ref] = parsed
+                for version in (before, table.get(ref)):
+                    key = _service_key(version) if version is not None else None
+                    if key:
+                        self._store.changed.add(key)
+        self._changes.set()
+
+    def _node(self, obj: dict | None) -> None:
+        metadata = (obj or {}).get("metadata") or {}
+        self._store.zone = (metadata.get("labels") or {}).get(ZONE_LABEL)
+        self._store.node_deleting = bool(metadata.get("deletionTimestamp"))
+
+    # --- the agent's side ----------------------------------------------------------
+
+    def poll(self) -> Snapshot | None:
+        """What changed since the last poll; None before the first full list or
+        when nothing changed."""
+        with self._lock:
+            store = self._store
+            if not self.synced or not (store.everything_changed or store.changed):
+                return None
+            services = {k: v for t in store.services.values() for k, v in t.items()}
+            slices = {k: v for t in store.slices.values() for k, v in t.items()}
+            changed: set[ServiceKey] | None = None
+            if not store.everything_changed:
+                changed = set(store.changed)
+                services = {k: v for k, v in services.items() if _service_key(v) in changed}
+                slices = {k: v for k, v in slices.items() if _service_key(v) in changed}
+            store.changed.clear()
+            store.everything_changed = False
+            return Snapshot(
+                services=list(services.values()),
+                slices=list(slices.values()),
+                problems=list(store.problems.values()),
+                changed=changed,
+                zone=store.zone,
+                node_deleting=store.node_deleting,
+            )
+
+    def status(self) -> dict:
+        return {
+            w.resource: {
+                "connected": w.stats.connected,
+                "synced": w.stats.synced,
+                "lists": w.stats.lists,
+                "relists": w.stats.relists,
+                "restarts": w.stats.restarts,
+                "last_event": w.stats.last_event,
+                "last_error": w.stats.last_error,
+            }
+            for w in self.watchers
+        }
+
+
+def _ref(resource: str, obj: dict) -> ObjectRef:
+    kind = "Node" if resource == "node" else "Service" if resource.startswith("services") else "EndpointSlice"
+    metadata = obj.get("metadata") or {}
+    return ObjectRef(kind, metadata.get("namespace") or "default", metadata.get("name") or "?")
