@@ -122,6 +122,13 @@ class Frontend:
     port: int
     protocol: str  # "TCP" | "UDP"
 
+    def __post_init__(self) -> None:
+        # hashed in every map operation: ipaddress hashes slowly, so once is enough
+        object.__setattr__(self, "_hash", hash((int(self.address), self.port, self.protocol)))
+
+    def __hash__(self) -> int:
+        return self._hash  # type: ignore[attr-defined]
+
     def __lt__(self, other: Frontend) -> bool:
         return _sort_key(self.address, self.port, self.protocol) < _sort_key(
             other.address, other.port, other.protocol
@@ -140,6 +147,12 @@ class Frontend:
 class Backend:
     address: IPAddress
     port: int
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "_hash", hash((int(self.address), self.port)))
+
+    def __hash__(self) -> int:
+        return self._hash  # type: ignore[attr-defined]
 
     def __lt__(self, other: Backend) -> bool:
         return _sort_key(self.address, self.port) < _sort_key(other.address, other.port)

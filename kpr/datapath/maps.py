@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ctypes as ct
 import logging
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from ipaddress import IPv4Address, IPv6Address, ip_address
 from pathlib import Path
@@ -89,13 +90,11 @@ def execute(maps: Maps, steps: Plan) -> WriteResult:
         return step.failed
 
     failed_backends = merge(maps.write_backends(steps.backend_writes))
-    failed: set[Frontend] = {
-        frontend for (frontend, _), bid in steps.slot_writes.items() if bid in failed_backends
-    }
+    failed: set[Frontend] = set()
+    if failed_backends:
+        failed = {f for (f, _), bid in steps.slot_writes.items() if bid in failed_backends}
     slot_entries = {
-        key: ServiceEntry(backend_id=bid)
-        for key, bid in steps.slot_writes.items()
-        if key[0] not in failed
+        key: ServiceEntry(bid) for key, bid in steps.slot_writes.items() if key[0] not in failed
     }
     failed |= {key[0] for key in merge(maps.write_services(slot_entries))}
     revnat = {sid: f for sid, f in steps.revnat_writes.items() if f not in failed}
@@ -202,26 +201,52 @@ def _frontend(key) -> Frontend:
     return Frontend(address, port, abi.PROTOCOL_NAMES.get(key.protocol, str(key.protocol)))
 
 
-# Packers: one (map name, key bytes, value bytes) per entry.
+# Packers: one (map name, key bytes, value bytes) per entry. Written for speed:
+# a full sync at 10,000 services packs 220,000 entries.
+
+_SERVICE_KEYS = {
+    4: ("kpr_services4", abi.SERVICE4_KEY.pack),
+    6: ("kpr_services6", abi.SERVICE6_KEY.pack),
+}
+_ADDRESSES = {4: abi.BACKEND4.pack, 6: abi.BACKEND6.pack}
 
 
-def _pack_service(key: ServiceKey, entry: ServiceEntry | None = None) -> tuple[str, bytes, bytes]:
-    frontend, slot = key
-    version = frontend.address.version
-    layout = abi.SERVICE4_KEY if version == 4 else abi.SERVICE6_KEY
-    packed_key = layout.pack(
-        frontend.address.packed, frontend.port, abi.PROTOCOL_NUMBERS[frontend.protocol], slot
-    )
-    value = abi.SERVICE_VALUE.pack(*entry[:3], 0, entry.affinity_timeout) if entry else b""
-    return f"kpr_services{version}", packed_key, value
+def _pack_services(
+    entries: Iterable[tuple[ServiceKey, ServiceEntry | None]],
+) -> list[tuple[str, bytes, bytes]]:
+    pack_value = abi.SERVICE_VALUE.pack
+    prefixes: dict[Frontend, tuple] = {}  # one frontend has many slots
+    out = []
+    for (frontend, slot), entry in entries:
+        prefix = prefixes.get(frontend)
+        if prefix is None:
+            name, pack = _SERVICE_KEYS[frontend.address.version]
+            protocol = abi.PROTOCOL_NUMBERS[frontend.protocol]
+            prefix = prefixes[frontend] = (
+                name,
+                pack,
+                frontend.address.packed,
+                frontend.port,
+                protocol,
+            )
+        name, pack, address, port, protocol = prefix
+        value = pack_value(entry[0], entry[1], entry[2], 0, entry[3]) if entry else b""
+        out.append((name, pack(address, port, protocol, slot), value))
+    return out
 
 
-def _pack_address(
-    base: str, key: int, target: Backend | Frontend | None
-) -> tuple[str, bytes, bytes]:
-    version = target.address.version
-    layout = abi.BACKEND4 if version == 4 else abi.BACKEND6
-    return f"kpr_{base}{version}", abi.ID.pack(key), layout.pack(target.address.packed, target.port)
+def _pack_addresses(
+    base: str, entries: Iterable[tuple[int, Backend | Frontend]]
+) -> list[tuple[str, bytes, bytes]]:
+    names = {4: f"kpr_{base}4", 6: f"kpr_{base}6"}
+    pack_id = abi.ID.pack
+    out = []
+    for key, target in entries:
+        version = target.address.version
+        out.append(
+            (names[version], pack_id(key), _ADDRESSES[version](target.address.packed, target.port))
+        )
+    return out
 
 
 class BpfMaps:
@@ -303,25 +328,22 @@ class BpfMaps:
                     pinned.delete_packed(key)
 
     def write_backends(self, entries: dict[int, Backend]) -> WriteResult:
-        packed = [_pack_address("backends", bid, b) for bid, b in entries.items()]
-        return self._write(packed, list(entries))
+        return self._write(_pack_addresses("backends", entries.items()), list(entries))
 
     def write_services(self, entries: dict[ServiceKey, ServiceEntry]) -> WriteResult:
-        packed = [_pack_service(key, entry) for key, entry in entries.items()]
-        return self._write(packed, list(entries))
+        return self._write(_pack_services(entries.items()), list(entries))
 
     def write_revnat(self, entries: dict[int, Frontend]) -> WriteResult:
-        packed = [_pack_address("revnat", sid, f) for sid, f in entries.items()]
-        return self._write(packed, list(entries))
+        return self._write(_pack_addresses("revnat", entries.items()), list(entries))
 
     def delete_services(self, keys: list[ServiceKey]) -> None:
-        self._delete([_pack_service(key) for key in keys])
+        self._delete(_pack_services((key, None) for key in keys))
 
     def delete_revnat(self, entries: dict[int, Frontend]) -> None:
-        self._delete([_pack_address("revnat", sid, f) for sid, f in entries.items()])
+        self._delete(_pack_addresses("revnat", entries.items()))
 
     def delete_backends(self, entries: dict[int, Backend]) -> None:
-        self._delete([_pack_address("backends", bid, b) for bid, b in entries.items()])
+        self._delete(_pack_addresses("backends", entries.items()))
 
     def stats(self) -> dict[str, int]:
         """Outcome counters summed over CPUs."""
