@@ -9,6 +9,7 @@ is read-only (GET), which is all a kube-proxy needs.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import re
@@ -37,7 +38,13 @@ KINDS: dict[str, _Kind] = {
     k.kind: k
     for k in (
         _Kind("Service", "v1", "services", "/api/v1", True),
-        _Kind("EndpointSlice", "discovery.k8s.io/v1", "endpointslices", "/apis/discovery.k8s.io/v1", True),
+        _Kind(
+            "EndpointSlice",
+            "discovery.k8s.io/v1",
+            "endpointslices",
+            "/apis/discovery.k8s.io/v1",
+            True,
+        ),
         _Kind("Node", "v1", "nodes", "/api/v1", False),
     )
 }
@@ -223,6 +230,7 @@ class TestApiServer:
                 return
             httpd = ThreadingHTTPServer(("127.0.0.1", self._port), self._handler_class())
             httpd.daemon_threads = True
+            httpd.block_on_close = False  # stop() cuts the connections, then joins
             self._port = httpd.server_address[1]
             self._httpd = httpd
             self._stopped = False
@@ -243,7 +251,7 @@ class TestApiServer:
             self._cond.notify_all()
         assert httpd is not None and self._serve_thread is not None
         httpd.shutdown()
-        httpd.server_close()
+        httpd.server_close()  # refuse from here on
         self._serve_thread.join()
         for sock, _ in connections:
             _cut(sock)
@@ -317,7 +325,7 @@ class TestApiServer:
     def delete(self, kind: str, namespace: str | None, name: str) -> dict:
         with self._cond:
             k = KINDS[kind]
-            key = (namespace or "" if k.namespaced else "", name)
+            key = ((namespace or "") if k.namespaced else "", name)
             old = self._objects[kind].pop(key, None)
             if old is None:
                 raise KeyError(f'{k.plural} "{name}" not found')
@@ -329,7 +337,7 @@ class TestApiServer:
     def get(self, kind: str, namespace: str | None, name: str) -> dict | None:
         k = KINDS[kind]
         with self._cond:
-            obj = self._objects[kind].get((namespace or "" if k.namespaced else "", name))
+            obj = self._objects[kind].get(((namespace or "") if k.namespaced else "", name))
             return copy.deepcopy(obj)
 
     def objects(self, kind: str) -> list[dict]:
@@ -348,7 +356,7 @@ class TestApiServer:
         meta = obj.get("metadata") or {}
         if not meta.get("name"):
             raise ValueError("metadata.name is required")
-        namespace = meta.get("namespace") or "default" if kind.namespaced else ""
+        namespace = (meta.get("namespace") or "default") if kind.namespaced else ""
         return kind, (namespace, meta["name"])
 
     def _store(self, kind: _Kind, key: tuple[str, str], obj: dict, old: dict | None) -> dict:
@@ -446,10 +454,8 @@ class TestApiServer:
 
 def _cut(sock: socket.socket) -> None:
     """End a connection at once: the peer sees EOF (or an error) mid-response."""
-    try:
+    with contextlib.suppress(OSError):  # already closed
         sock.shutdown(socket.SHUT_RDWR)
-    except OSError:
-        pass  # already closed by the peer
 
 
 class _Handler(BaseHTTPRequestHandler):
@@ -463,14 +469,16 @@ class _Handler(BaseHTTPRequestHandler):
                 _cut(self.connection)
             self.api._connections[self.connection] = threading.current_thread()
 
+    def handle(self) -> None:
+        with contextlib.suppress(OSError):  # the client went away, or the connection was cut
+            super().handle()
+
     def finish(self) -> None:
         with self.api._cond:
             self.api._connections.pop(self.connection, None)
             self.api._watch_sockets.discard(self.connection)
-        try:
+        with contextlib.suppress(OSError):  # the connection was cut
             super().finish()
-        except OSError:
-            pass  # the connection was cut
 
     def log_message(self, format: str, *args: object) -> None:
         pass  # keep test output clean
@@ -489,7 +497,9 @@ class _Handler(BaseHTTPRequestHandler):
                 return
         q = api._route(url.path, params)
         if q is None:
-            self._send_json(404, _status(404, "NotFound", "the server could not find the requested resource"))
+            self._send_json(
+                404, _status(404, "NotFound", "the server could not find the requested resource")
+            )
             return
         try:
             if q.name is not None:
@@ -595,7 +605,9 @@ class _Handler(BaseHTTPRequestHandler):
                     timed_out = deadline is not None and now >= deadline
                     if events or bookmark_due or timed_out:
                         break
-                    wakeups = [d for d in (next_bookmark if bookmarks else None, deadline) if d]
+                    wakeups = [
+                        d for d in (next_bookmark if bookmarks else None, deadline) if d is not None
+                    ]
                     api._cond.wait(timeout=min(wakeups) - now if wakeups else None)
                 cursor = api._rv
                 out = [ev for e in events if (ev := _filtered(e, q.kind.kind, matches))]
