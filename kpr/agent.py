@@ -1,7 +1,9 @@
 """The agent: source → translate → plan → ordered map writes, in a loop.
 
 Start-up adopts whatever a previous run left pinned (maps are read, never
-flushed), and the first sync writes only the difference.
+flushed), and the first sync writes only the difference. Afterwards only
+the Services that changed are translated and planned again (a partial
+sync); a full sync every `sync_period` re-reads the maps and repairs drift.
 """
 
 from __future__ import annotations
@@ -20,21 +22,31 @@ from kpr import host, runstate
 from kpr.datapath import abi, loader
 from kpr.datapath.maps import BpfMaps, execute
 from kpr.datapath.plan import apply_plan, plan
-from kpr.model import EndpointSlice, NodeContext, Problem, Service, Translation
+from kpr.model import Frontend, NodeContext, Problem, ServiceKey, Snapshot, Translation
 from kpr.translate import translate
 
 log = logging.getLogger("kpr")
 
 
-class Snapshot(Protocol):
-    services: list[Service]
-    slices: list[EndpointSlice]
-    problems: list[Problem]
-
-
 class Source(Protocol):
+    description: str
+
+    def start(self) -> None: ...
+    def stop(self) -> None: ...
+    def wait(self, timeout: float) -> bool:
+        """Until something may have changed (True), or `timeout` passed (False)."""
+
     def poll(self) -> Snapshot | None:
-        """The objects, when they changed since the last call; None otherwise."""
+        """What changed since the last call; None when nothing did."""
+
+    def status(self) -> dict: ...
+
+
+class Observer(Protocol):
+    """Health and metrics: told about syncs, never consulted by them."""
+
+    def queued(self, when: float) -> None: ...
+    def synced(self, result: SyncResult) -> None: ...
 
 
 @dataclass
@@ -43,15 +55,19 @@ class AgentConfig:
     cgroup: Path | None = None  # None: the root of the cgroup v2 mount
     node: NodeContext = field(default_factory=NodeContext)
     sizes: abi.MapSizes = field(default_factory=abi.MapSizes)
-    poll_interval: float = 0.2
-    sync_period: float = 30.0  # full re-read of the maps, repairing drift
+    min_sync_period: float = 1.0  # at most one sync per this, under churn
+    sync_period: float = 30.0  # a full sync at least this often, repairing drift
 
 
 @dataclass
 class SyncResult:
+    full: bool
     writes: int
     seconds: float
     failed: int
+    services_changed: int  # -1: all
+    trigger_times: list[float] = field(default_factory=list)  # of the slices applied
+    drift_repaired: int = 0
 
 
 def _return_free_memory() -> None:
@@ -63,13 +79,21 @@ def _return_free_memory() -> None:
 
 
 class Agent:
-    def __init__(self, source: Source, source_name: str, config: AgentConfig) -> None:
+    def __init__(
+        self, source: Source, config: AgentConfig, observers: list[Observer] | None = None
+    ) -> None:
         self.source = source
         self.config = config
-        self.source_name = source_name
+        self.observers = observers or []
         self.maps: BpfMaps | None = None
-        self.snapshot: Snapshot | None = None
+        self.node = config.node
+        # the merged desired state, and which Service owns each frontend
+        self.desired = Translation()
+        self.frontends_of: dict[ServiceKey, set[Frontend]] = {}
+        self.source_problems: list[Problem] = []
         self._reported: set[str] = set()
+        self.last_full = 0.0
+        self.last_sync = 0.0
 
     def start(self) -> None:
         """Load and attach the programs, open the pinned maps, adopt their content."""
@@ -84,7 +108,7 @@ class Agent:
             log.info("detached %d programs from the previous cgroup %s", moved, previous.cgroup)
         self.maps = BpfMaps(cfg.pin_dir)
         self.programmed = self.maps.read()
-        self.state = runstate.RunState(str(cfg.pin_dir), str(cgroup), self.source_name)
+        self.state = runstate.RunState(str(cfg.pin_dir), str(cgroup), self.source.description)
         self.state.save()
         log.info(
             "attached to cgroup %s; pinned maps in %s hold %d frontends, %d backends",
@@ -94,20 +118,67 @@ class Agent:
             len(self.programmed.backends),
         )
 
-    def translate(self, snapshot: Snapshot) -> Translation:
-        translation = translate(snapshot.services, snapshot.slices, self.config.node)
-        translation.problems[:0] = snapshot.problems
-        return translation
+    # --- translation ------------------------------------------------------------
 
-    def sync(self, snapshot: Snapshot, reread: bool = False) -> SyncResult:
-        """Make the maps equal to the translation of `snapshot`."""
+    def _translate(self, snapshot: Snapshot) -> set[Frontend] | None:
+        """Fold a snapshot into the desired state; the frontends it touched
+        (None: all of them)."""
+        self.source_problems = snapshot.problems
+        if snapshot.zone != self.node.zone:  # topology hints depend on it
+            self.node = NodeContext(self.node.name, snapshot.zone, self.node.proxy_name)
+        if snapshot.changed is None:
+            self.desired = translate(snapshot.services, snapshot.slices, self.node)
+            self.frontends_of = {}
+            for frontend, key in self.desired.owners.items():
+                self.frontends_of.setdefault(key, set()).add(frontend)
+            return None
+        partial = translate(snapshot.services, snapshot.slices, self.node)
+        touched: set[Frontend] = set()
+        for key in snapshot.changed:
+            for frontend in self.frontends_of.pop(key, set()):
+                self.desired.frontends.pop(frontend, None)
+                self.desired.held.discard(frontend)
+                self.desired.owners.pop(frontend, None)
+                touched.add(frontend)
+        self.desired.problems = [
+            p
+            for p in self.desired.problems
+            if not (p.ref and (p.ref.namespace, p.ref.name) in snapshot.changed)
+        ] + partial.problems
+        for frontend, key in partial.owners.items():
+            other = self.desired.owners.get(frontend)
+            if other is not None and other != key:
+                self.desired.problems.append(
+                    Problem(f"{frontend} is also claimed by Service {other[0]}/{other[1]}")
+                )
+                continue
+            self.desired.owners[frontend] = key
+            self.frontends_of.setdefault(key, set()).add(frontend)
+            if frontend in partial.held:
+                self.desired.held.add(frontend)
+            else:
+                self.desired.frontends[frontend] = partial.frontends[frontend]
+            touched.add(frontend)
+        return touched
+
+    # --- syncing ----------------------------------------------------------------
+
+    def sync(self, snapshot: Snapshot | None, full: bool = False) -> SyncResult:
+        """Fold in `snapshot` (if any) and write the difference to the maps; a full
+        sync re-reads the maps first and plans every frontend."""
         assert self.maps is not None, "start() first"
         began = time.perf_counter()
-        translation = self.translate(snapshot)
-        self._report(translation.problems)
-        if reread:
-            self.programmed = self.maps.read()
-        steps = plan(self.programmed, translation)
+        touched = self._translate(snapshot) if snapshot is not None else set()
+        full = full or touched is None
+        drift = 0
+        if full:
+            reread = self.maps.read()
+            drift = _drift(self.programmed, reread)
+            self.programmed = reread
+            touched = None
+        problems = self.source_problems + self.desired.problems
+        self._report(problems)
+        steps = plan(self.programmed, self.desired, touched)
         result = execute(self.maps, steps)
         if result.failed:
             for error in sorted(set(result.errors)):
@@ -120,18 +191,39 @@ class Agent:
             self.programmed = self.maps.read()
         else:
             apply_plan(self.programmed, steps)
-        self.state.record(translation, result.failed)
-        self.state.save()
-        seconds = time.perf_counter() - began
-        _return_free_memory()
+        if full or steps.writes():
+            self.state.record(self.desired, result.failed, problems)
+            self.state.save()
+        now = time.time()
+        self.last_sync = now
+        if full:
+            self.last_full = now
+            _return_free_memory()
+        outcome = SyncResult(
+            full=full,
+            writes=steps.writes(),
+            seconds=time.perf_counter() - began,
+            failed=len(result.failed),
+            services_changed=-1
+            if snapshot is None or snapshot.changed is None
+            else len(snapshot.changed),
+            trigger_times=[s.trigger_time for s in snapshot.slices if s.trigger_time]
+            if snapshot is not None and snapshot.changed is not None
+            else [],
+            drift_repaired=drift if steps.writes() else 0,
+        )
         if steps.writes():
             log.info(
-                "synced %d frontends: %d map operations in %.3fs",
-                len(translation.frontends),
+                "%s sync: %d frontends, %d map operations in %.3fs%s",
+                "full" if full else "partial",
+                len(self.desired.frontends),
                 steps.writes(),
-                seconds,
+                outcome.seconds,
+                f" (repaired {drift} drifted frontends)" if drift else "",
             )
-        return SyncResult(steps.writes(), seconds, len(result.failed))
+        for observer in self.observers:
+            observer.synced(outcome)
+        return outcome
 
     def _report(self, problems: list[Problem]) -> None:
         """Log each problem once, while it lasts."""
@@ -141,16 +233,38 @@ class Agent:
         self._reported = current
 
     def run(self, stop: threading.Event) -> None:
-        """Poll the source until `stop` is set; a full re-read every sync_period."""
-        last_full = time.monotonic()
+        """Sync until `stop` is set: changes at most once per min_sync_period, a full
+        sync at least once per sync_period (kube-proxy's bounded-frequency runner).
+        The source accumulates changes while the runner holds back."""
+        cfg = self.config
+        self.source.start()
         while not stop.is_set():
-            snapshot = self.source.poll()
-            full_due = time.monotonic() - last_full >= self.config.sync_period
+            snapshot = self.source.poll()  # None until the source has its first full state
             if snapshot is not None:
-                self.snapshot = snapshot
-            if self.snapshot is not None and (snapshot is not None or full_due):
-                self.sync(self.snapshot, reread=full_due)
-                if full_due:
-                    last_full = time.monotonic()
-            stop.wait(self.config.poll_interval)
+                self.sync(snapshot, full=self.last_sync == 0)
+                continue
+            until_full = self.last_full + cfg.sync_period - time.time()
+            if self.source.wait(min(max(until_full, 0.0), 1.0)):
+                for observer in self.observers:
+                    observer.queued(time.time())
+                hold = self.last_sync + cfg.min_sync_period - time.time()
+                if hold > 0:
+                    stop.wait(hold)
+            elif self.last_sync and until_full <= 0:
+                self.sync(None, full=True)
+        self.source.stop()
         log.info("stopping; programs stay attached and maps pinned (pid %d)", os.getpid())
+
+
+def _drift(expected, actual) -> int:
+    """Frontends whose map entries differ from what the agent last wrote."""
+    keys = expected.services.keys() | actual.services.keys()
+    drifted = 0
+    for frontend in keys:
+        a, b = expected.services.get(frontend), actual.services.get(frontend)
+        if a is None or b is None or a.slots != b.slots or a.service_id != b.service_id:
+            drifted += 1
+            continue
+        if any(expected.backends.get(i) != actual.backends.get(i) for i in a.slots):
+            drifted += 1
+    return drifted

@@ -71,7 +71,7 @@ def run(
         signal.signal(signum, lambda *_: stop.set())
     try:
         host.require_root()
-        agent = Agent(ManifestSource(source), f"manifests:{source.resolve()}", config)
+        agent = Agent(ManifestSource(source), config)
         agent.start()
     except (host.SetupError, FileNotFoundError, NotADirectoryError) as err:
         _fail(err)

@@ -14,7 +14,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from kpr.model import Frontend, FrontendState, Translation
+from kpr.model import Frontend, FrontendState, Problem, Translation
 
 RUN_DIR = Path("/run/kpr")
 
@@ -36,11 +36,13 @@ class RunState:
     problems: list[str] = field(default_factory=list)
     failed: list[str] = field(default_factory=list)
 
-    def record(self, translation: Translation, failed: set[Frontend]) -> None:
+    def record(
+        self, translation: Translation, failed: set[Frontend], problems: list[Problem]
+    ) -> None:
         self.last_sync = time.time()
         self.desired = {str(f): _state(s) for f, s in sorted(translation.frontends.items())}
         self.held = sorted(str(f) for f in translation.held)
-        self.problems = [str(p) for p in translation.problems]
+        self.problems = [str(p) for p in problems]
         self.failed = sorted(str(f) for f in failed)
 
     def save(self) -> None:

@@ -31,7 +31,6 @@ from kpr.objects import SERVICE_NAME_LABEL
 SERVICE_PROXY_NAME_LABEL = "service.kubernetes.io/service-proxy-name"
 
 
-
 def translate(
     services: Iterable[Service], slices: Iterable[EndpointSlice], node: NodeContext
 ) -> Translation:

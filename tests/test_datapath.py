@@ -39,7 +39,7 @@ class Cluster:
         self.directory = directory
         self.source = ManifestSource(directory)
         config = AgentConfig(pin_dir=pin_dir, cgroup=lab.cgroup, node=NodeContext("node-1"))
-        self.agent = Agent(self.source, f"manifests:{directory}", config)
+        self.agent = Agent(self.source, config)
         self.agent.start()
 
     def apply(self, filename: str, *objects: dict) -> None:

@@ -30,6 +30,7 @@ from kpr.lab.latency import measure
 from kpr.lab.netns import Lab
 from kpr.model import NodeContext
 from kpr.sources.manifests import ManifestSource
+from kpr.translate import translate
 
 VIP_BASE = IPv4Address("10.96.0.0")
 FAKE_ENDPOINT_BASE = IPv4Address("10.128.0.0")
@@ -83,12 +84,12 @@ def program_in_process(directory: Path, lab: Lab, pin_dir: Path) -> dict:
     """Each phase of a full programming pass, timed separately."""
     source = ManifestSource(directory)
     config = AgentConfig(pin_dir=pin_dir, cgroup=lab.cgroup, node=NodeContext("node-1"))
-    agent = Agent(source, "bench", config)
+    agent = Agent(source, config)
     agent.start()
     t0 = time.perf_counter()
     snapshot = source.poll()
     t1 = time.perf_counter()
-    translation = agent.translate(snapshot)
+    translation = translate(snapshot.services, snapshot.slices, config.node)
     t2 = time.perf_counter()
     from kpr.datapath.maps import execute
     from kpr.datapath.plan import plan

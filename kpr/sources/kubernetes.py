@@ -113,7 +113,9 @@ class Watcher(threading.Thread):
             except ApiException as err:
                 self.stats.connected = False
                 if err.status == 410:
-                    log.info("%s: resourceVersion %s expired (410): listing again", self.name, version)
+                    log.info(
+                        "%s: resourceVersion %s expired (410): listing again", self.name, version
+                    )
                     self.stats.relists += 1
                     version = None
                     continue
@@ -271,7 +273,9 @@ class KubernetesSource:
             parsed = parse(obj)
         except ObjectError as err:
             # the last good version stays: nothing already programmed is lost
-            self._store.problems[ref] = Problem(f"{err.message}; skipped", err.ref or ref, err.field)
+            self._store.problems[ref] = Problem(
+                f"{err.message}; skipped", err.ref or ref, err.field
+            )
             self._on_invalid(kind)
             log.warning("invalid %s: %s", ref, err)
             return None
@@ -371,6 +375,12 @@ class KubernetesSource:
 
 
 def _ref(resource: str, obj: dict) -> ObjectRef:
-    kind = "Node" if resource == "node" else "Service" if resource.startswith("services") else "EndpointSlice"
+    kind = (
+        "Node"
+        if resource == "node"
+        else "Service"
+        if resource.startswith("services")
+        else "EndpointSlice"
+    )
     metadata = obj.get("metadata") or {}
     return ObjectRef(kind, metadata.get("namespace") or "default", metadata.get("name") or "?")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,6 +22,7 @@ from kpr.model import EndpointSlice, ObjectRef, Problem, Service, Snapshot
 from kpr.objects import ObjectError, parse_object
 
 MANIFEST_SUFFIXES = (".yaml", ".yml", ".json")
+POLL_INTERVAL = 0.2  # seconds between looks at the directory
 
 KubeObject = Service | EndpointSlice
 
@@ -55,6 +57,30 @@ class ManifestSource:
         self._objects: dict[ObjectRef, KubeObject] = {}  # in the last snapshot
         # per file: (stamp, definitions, problems) of its last read
         self._files: dict[str, tuple[tuple[int, int], list[_Definition], list[Problem]]] = {}
+
+    @property
+    def description(self) -> str:
+        return f"manifests:{self.directory.resolve()}"
+
+    def start(self) -> None:
+        pass  # nothing runs in the background: poll() reads the directory
+
+    def stop(self) -> None:
+        pass
+
+    def wait(self, timeout: float) -> bool:
+        """Until a file changed (True) or `timeout` passed (False)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            if self._polled and self._scan() != self._stamps:
+                return True
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return False
+            time.sleep(min(POLL_INTERVAL, remaining))
+
+    def status(self) -> dict:
+        return {"directory": str(self.directory), "files": len(self._stamps or {})}
 
     def poll(self) -> Snapshot | None:
         """A new Snapshot on the first call and after any change; None when nothing changed."""

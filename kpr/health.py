@@ -1,0 +1,206 @@
+"""kube-proxy's proxier health server: /healthz and /livez on :10256.
+
+Same rule, status codes, headers and body bytes as pkg/proxy/healthcheck/proxier_health.go,
+so load balancers and probes written for kube-proxy work unchanged:
+
+- healthy while nothing is queued, or while the oldest queued change has waited less than
+  the health timeout (2 x syncPeriod); unhealthy once it has waited longer, until the next
+  applied sync;
+- /healthz is also unhealthy while the Node is being deleted (deletionTimestamp set, or the
+  cluster autoscaler's ToBeDeletedByClusterAutoscaler taint): load balancers drain the node;
+  /livez ignores the Node, so kubelet does not restart a proxy that is only being drained.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+import time
+from collections.abc import Callable, Mapping
+from datetime import UTC, datetime
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+from kpr.metrics import Metrics
+
+log = logging.getLogger(__name__)
+
+TO_BE_DELETED_TAINT = "ToBeDeletedByClusterAutoscaler"
+_GO_ZERO_TIME = "0001-01-01 00:00:00 +0000 UTC"
+
+
+def go_time(seconds: float | None) -> str:
+    """A Unix time as Go's time.Time.String() writes it in UTC; None is Go's zero time.
+
+    Go drops trailing zeros of the nanoseconds (and the dot with them). kube-proxy's real
+    clock also appends the monotonic reading (" m=+12.345678901"); kpr leaves it out, as
+    it is only meaningful inside the Go process.
+    """
+    if seconds is None:
+        return _GO_ZERO_TIME
+    whole, nanos = divmod(round(seconds * 1e9), 1_000_000_000)
+    stamp = datetime.fromtimestamp(whole, UTC).strftime("%Y-%m-%d %H:%M:%S")
+    fraction = f".{nanos:09d}".rstrip("0").rstrip(".")
+    return f"{stamp}{fraction} +0000 UTC"
+
+
+def node_is_deleting(node: Mapping[str, Any]) -> bool:
+    """Whether an API-shaped Node is going away, by upstream SyncNode's rule."""
+    if (node.get("metadata") or {}).get("deletionTimestamp"):
+        return True
+    taints = (node.get("spec") or {}).get("taints") or []
+    return any(isinstance(t, dict) and t.get("key") == TO_BE_DELETED_TAINT for t in taints)
+
+
+def _go_quote(text: str) -> str:
+    """Go's %q of the ASCII strings go_time makes: a plain double-quoted string."""
+    return f'"{text}"'
+
+
+class ProxyHealth:
+    """Whether the proxy keeps up: queued changes against applied syncs. Thread-safe."""
+
+    def __init__(self, sync_period: float, clock: Callable[[], float] = time.time) -> None:
+        self.health_timeout = 2 * sync_period  # kube-proxy's server.go: 2*SyncPeriod
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._last_updated: float | None = None
+        self._oldest_pending_queued: float | None = None
+        # Eligible while starting up, until a Node event says otherwise (as upstream).
+        self._node_eligible = True
+
+    def queued(self) -> None:
+        """A Service or EndpointSlice change is waiting to be applied."""
+        with self._lock:
+            if self._oldest_pending_queued is None:  # keep the oldest
+                self._oldest_pending_queued = self._clock()
+
+    def updated(self) -> None:
+        """A sync was applied: everything queued so far is in the datapath."""
+        with self._lock:
+            self._oldest_pending_queued = None
+            self._last_updated = self._clock()
+
+    def set_node_deleting(self, deleting: bool) -> None:
+        """The Node has a deletionTimestamp or the ToBeDeletedByClusterAutoscaler taint."""
+        with self._lock:
+            self._node_eligible = not deleting
+
+    def healthy(self) -> bool:
+        """The proxier's own health, ignoring the Node (upstream IsHealthy)."""
+        return self.snapshot()["healthy"]
+
+    def snapshot(self) -> dict[str, Any]:
+        """healthy, nodeEligible, and the times (Unix seconds or None) they derive from."""
+        with self._lock:
+            now = self._clock()
+            pending = self._oldest_pending_queued
+            return {
+                "healthy": pending is None or now - pending < self.health_timeout,
+                "nodeEligible": self._node_eligible,
+                "lastUpdated": self._last_updated,
+                "oldestPendingQueued": pending,
+                "currentTime": now,
+            }
+
+
+class _Handler(BaseHTTPRequestHandler):
+    server: _Server
+
+    def do_GET(self) -> None:  # noqa: N802 (http.server's name)
+        self._serve(send_body=True)
+
+    def do_HEAD(self) -> None:  # noqa: N802
+        self._serve(send_body=False)
+
+    def do_POST(self) -> None:  # noqa: N802 (Go's handlers answer any method)
+        self._serve(send_body=True)
+
+    def _serve(self, send_body: bool) -> None:
+        path = self.path.split("?", 1)[0]
+        if path not in ("/healthz", "/livez"):
+            self._reply(404, "text/plain; charset=utf-8", b"404 page not found\n", send_body)
+            return
+        state = self.server.health.snapshot()
+        healthy = state["healthy"]
+        if path == "/healthz":
+            healthy = healthy and state["nodeEligible"]
+        current = go_time(state["currentTime"])
+        # Upstream reports "now" as lastUpdated while healthy, for compatibility with
+        # releases where it was the time of the last sync loop run.
+        last_updated = current if healthy else go_time(state["lastUpdated"])
+        body = f'{{"lastUpdated": {_go_quote(last_updated)},"currentTime": {_go_quote(current)}'
+        if path == "/healthz":
+            body += f', "nodeEligible": {"true" if state["nodeEligible"] else "false"}'
+        body += "}"
+        code = 200 if healthy else 503
+        counter = (
+            self.server.metrics.proxy_healthz_total
+            if path == "/healthz"
+            else self.server.metrics.proxy_livez_total
+        )
+        counter.labels(code=str(code)).inc()
+        self._reply(code, "application/json", body.encode(), send_body)
+
+    def _reply(self, code: int, content_type: str, body: bytes, send_body: bool) -> None:
+        self.send_response(code)
+        self.send_header("Content-Type", content_type)
+        self.send_header("X-Content-Type-Options", "nosniff")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        if send_body:
+            self.wfile.write(body)
+
+    def log_message(self, format: str, *args: object) -> None:  # noqa: A002 (stdlib's name)
+        log.debug("healthz: " + format, *args)
+
+
+class _Server(ThreadingHTTPServer):
+    daemon_threads = True
+
+    def __init__(self, address: tuple[str, int], health: ProxyHealth, metrics: Metrics) -> None:
+        self.health = health
+        self.metrics = metrics
+        super().__init__(address, _Handler)
+
+
+class _Server6(_Server):
+    address_family = socket.AF_INET6
+
+
+class HealthServer:
+    """Serves a ProxyHealth at /healthz and /livez over HTTP, from a daemon thread."""
+
+    def __init__(self, health: ProxyHealth, metrics: Metrics, host: str, port: int) -> None:
+        self.health = health
+        self.metrics = metrics
+        self.host = host
+        self.requested_port = port
+        self._server: _Server | None = None
+        self._thread: threading.Thread | None = None
+
+    @property
+    def port(self) -> int:
+        """The bound port (the kernel's choice when asked for port 0)."""
+        if self._server is None:
+            raise RuntimeError("HealthServer is not started")
+        return self._server.server_address[1]
+
+    def start(self) -> None:
+        server_class = _Server6 if ":" in self.host else _Server
+        self._server = server_class((self.host, self.requested_port), self.health, self.metrics)
+        self._thread = threading.Thread(
+            target=self._server.serve_forever, name="kpr-healthz", daemon=True
+        )
+        self._thread.start()
+
+    def stop(self) -> None:
+        if self._server is None:
+            return
+        self._server.shutdown()
+        self._server.server_close()
+        if self._thread is not None:
+            self._thread.join()
+        self._server = None
+        self._thread = None
