@@ -424,11 +424,17 @@ def _notes(doc: dict[str, Any], mode: str, periods: str, source: str) -> list[st
         )
     for path, value in _leaves(doc):
         if path in _READ:
-            unused_period = path.endswith("SyncPeriod") and not path.startswith(f"{periods}.")
-            if unused_period and not _is_unremarkable(value, None):
+            # The periods of the sections the mode does not name are read by neither.
+            section, _, name = path.partition(".")
+            unused = section in ("iptables", "ipvs", "nftables") and section != periods
+            if (
+                unused
+                and name in ("syncPeriod", "minSyncPeriod")
+                and not _is_unremarkable(value, None)
+            ):
                 notes.append(
                     f"{source}: {path} is ignored: with mode {mode!r} kube-proxy and "
-                    f"kpr read {periods}.{path.rpartition('.')[2]}"
+                    f"kpr read {periods}.{name}"
                 )
             continue
         known = next((p for p in _IGNORED if path == p or path.startswith(p + ".")), None)
