@@ -9,6 +9,7 @@
  *   KPR_BACKEND_MAX    entries of each backend map
  *   KPR_REVNAT_MAX     entries of each service-id -> frontend map
  *   KPR_SOCK_REVNAT_MAX  entries of each per-socket reverse map (LRU)
+ *   KPR_AFFINITY_MAX   entries of the session affinity map (LRU)
  */
 #ifndef KPR_H
 #define KPR_H
@@ -117,6 +118,21 @@ struct kpr_sock_peer {
 	__u32 pad;
 };
 
+/* sessionAffinity ClientIP at the socket: the client is its network namespace
+ * (a pod), so one pod keeps its backend for affinity_timeout seconds. */
+struct kpr_affinity_key {
+	__u64 netns_cookie;
+	__u32 service_id;
+	__u32 pad;
+};
+
+struct kpr_affinity {
+	__u64 last_used_ns;  /* bpf_ktime_get_ns() of the last connect */
+	__u32 backend_id;
+	__u16 slot;          /* where backend_id was: checked again before reuse */
+	__u16 pad;
+};
+
 #define KPR_PIN(name) KPR_PIN_DIR "/v1_" name
 
 BPF_TABLE_PINNED("hash", struct kpr_service4_key, struct kpr_service, kpr_services4,
@@ -135,6 +151,8 @@ BPF_TABLE_PINNED("lru_hash", struct kpr_sock_revnat4_key, struct kpr_revnat4,
 		 kpr_sock_revnat4, KPR_SOCK_REVNAT_MAX, KPR_PIN("sock_revnat4"), BPF_F_NO_COMMON_LRU);
 BPF_TABLE_PINNED("lru_hash", struct kpr_sock_revnat6_key, struct kpr_revnat6,
 		 kpr_sock_revnat6, KPR_SOCK_REVNAT_MAX, KPR_PIN("sock_revnat6"), BPF_F_NO_COMMON_LRU);
+BPF_TABLE_PINNED("lru_hash", struct kpr_affinity_key, struct kpr_affinity, kpr_affinity,
+		 KPR_AFFINITY_MAX, KPR_PIN("affinity"));
 BPF_TABLE_PINNED("sk_storage", int, struct kpr_sock_peer, kpr_sock_peer, 0,
 		 KPR_PIN("sock_peer"), BPF_F_NO_PREALLOC);
 BPF_TABLE_PINNED("percpu_array", __u32, __u64, kpr_stats, KPR_STAT_MAX,

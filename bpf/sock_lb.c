@@ -53,6 +53,40 @@ static __always_inline int verdict(struct bpf_sock_addr *ctx, int pick)
 	return 1;
 }
 
+/* sessionAffinity ClientIP: the slot this client (its network namespace) used
+ * while its timeout lasts, with the backend that was there; 0: none. */
+static __always_inline __u16 sticky_slot(struct bpf_sock_addr *ctx,
+					 const struct kpr_service *master, __u64 now,
+					 __u32 *backend_id)
+{
+	struct kpr_affinity_key akey = {
+		.netns_cookie = bpf_get_netns_cookie(ctx),
+		.service_id = master->service_id,
+	};
+	struct kpr_affinity *sticky = kpr_affinity.lookup(&akey);
+
+	if (!sticky || sticky->slot == 0 || sticky->slot > master->count)
+		return 0;
+	if (now - sticky->last_used_ns >= (__u64)master->affinity_timeout * 1000000000ULL)
+		return 0;
+	*backend_id = sticky->backend_id;
+	return sticky->slot;
+}
+
+/* Each connect renews the affinity, as kube-proxy's `recent` match does. */
+static __always_inline void remember_sticky(struct bpf_sock_addr *ctx,
+					    const struct kpr_service *master, __u16 slot,
+					    __u32 backend_id, __u64 now)
+{
+	struct kpr_affinity_key akey = {
+		.netns_cookie = bpf_get_netns_cookie(ctx),
+		.service_id = master->service_id,
+	};
+	struct kpr_affinity value = { .last_used_ns = now, .backend_id = backend_id, .slot = slot };
+
+	kpr_affinity.update(&akey, &value);
+}
+
 /* Connected sockets (TCP, connected UDP) remember their service on the socket:
  * cheaper than a shared map entry, and gone when the socket closes. `words`
  * is 1 for IPv4, 4 for IPv6. */
@@ -128,8 +162,22 @@ static __always_inline int pick_backend4(struct bpf_sock_addr *ctx, __be32 *addr
 		return KPR_PICK_REFUSE;
 
 	cookie = by_cookie ? bpf_get_socket_cookie(ctx) : 0;
-	key.slot = pick_slot(master->count, cookie, by_cookie);
-	slot = kpr_services4.lookup(&key);
+	if (master->affinity_timeout) {
+		__u64 now = bpf_ktime_get_ns();
+		__u32 sticky_backend = 0;
+
+		key.slot = sticky_slot(ctx, master, now, &sticky_backend);
+		slot = key.slot ? kpr_services4.lookup(&key) : NULL;
+		if (!slot || slot->backend_id != sticky_backend) {
+			key.slot = pick_slot(master->count, cookie, by_cookie);
+			slot = kpr_services4.lookup(&key);
+		}
+		if (slot)
+			remember_sticky(ctx, master, key.slot, slot->backend_id, now);
+	} else {
+		key.slot = pick_slot(master->count, cookie, by_cookie);
+		slot = kpr_services4.lookup(&key);
+	}
 	if (!slot)
 		return KPR_PICK_MAP_ERROR;
 	backend_id = slot->backend_id;
@@ -193,8 +241,22 @@ static __always_inline int pick_backend6(struct bpf_sock_addr *ctx, __u32 addres
 		return KPR_PICK_REFUSE;
 
 	cookie = by_cookie ? bpf_get_socket_cookie(ctx) : 0;
-	key.slot = pick_slot(master->count, cookie, by_cookie);
-	slot = kpr_services6.lookup(&key);
+	if (master->affinity_timeout) {
+		__u64 now = bpf_ktime_get_ns();
+		__u32 sticky_backend = 0;
+
+		key.slot = sticky_slot(ctx, master, now, &sticky_backend);
+		slot = key.slot ? kpr_services6.lookup(&key) : NULL;
+		if (!slot || slot->backend_id != sticky_backend) {
+			key.slot = pick_slot(master->count, cookie, by_cookie);
+			slot = kpr_services6.lookup(&key);
+		}
+		if (slot)
+			remember_sticky(ctx, master, key.slot, slot->backend_id, now);
+	} else {
+		key.slot = pick_slot(master->count, cookie, by_cookie);
+		slot = kpr_services6.lookup(&key);
+	}
 	if (!slot)
 		return KPR_PICK_MAP_ERROR;
 	backend_id = slot->backend_id;

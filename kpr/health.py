@@ -19,6 +19,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 from datetime import UTC, datetime
+from decimal import Decimal
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
@@ -28,6 +29,7 @@ log = logging.getLogger(__name__)
 
 TO_BE_DELETED_TAINT = "ToBeDeletedByClusterAutoscaler"
 _GO_ZERO_TIME = "0001-01-01 00:00:00 +0000 UTC"
+_POLL_INTERVAL = 0.05  # how soon stop() is noticed
 
 
 def go_time(seconds: float | None) -> str:
@@ -39,7 +41,8 @@ def go_time(seconds: float | None) -> str:
     """
     if seconds is None:
         return _GO_ZERO_TIME
-    whole, nanos = divmod(round(seconds * 1e9), 1_000_000_000)
+    # Via the float's shortest decimal form, so 0.25 or 0.1 print as written.
+    whole, nanos = divmod(int(round(Decimal(repr(seconds)) * 1_000_000_000)), 1_000_000_000)
     stamp = datetime.fromtimestamp(whole, UTC).strftime("%Y-%m-%d %H:%M:%S")
     fraction = f".{nanos:09d}".rstrip("0").rstrip(".")
     return f"{stamp}{fraction} +0000 UTC"
@@ -191,7 +194,10 @@ class HealthServer:
         server_class = _Server6 if ":" in self.host else _Server
         self._server = server_class((self.host, self.requested_port), self.health, self.metrics)
         self._thread = threading.Thread(
-            target=self._server.serve_forever, name="kpr-healthz", daemon=True
+            target=self._server.serve_forever,
+            args=(_POLL_INTERVAL,),
+            name="kpr-healthz",
+            daemon=True,
         )
         self._thread.start()
 

@@ -42,6 +42,7 @@ NETWORK_PROGRAMMING_BUCKETS = (
 DATAPATH_OUTCOMES = ("translated", "no_backend", "backend_missing", "reversed", "revnat_full")
 
 _KUBE_PROXY = "kubeproxy"
+_POLL_INTERVAL = 0.05  # how soon stop() is noticed
 
 
 def _alpha(text: str) -> str:
@@ -279,7 +280,10 @@ class MetricsServer:
             self.host, self.requested_port, app, server_class, handler_class=_QuietHandler
         )
         self._thread = threading.Thread(
-            target=self._server.serve_forever, name="kpr-metrics", daemon=True
+            target=self._server.serve_forever,
+            args=(_POLL_INTERVAL,),
+            name="kpr-metrics",
+            daemon=True,
         )
         self._thread.start()
 

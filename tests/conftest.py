@@ -65,6 +65,6 @@ def compiled_bpf(tmp_path_factory):
     path = Path("/sys/fs/bpf") / f"kpr-abi-{uuid.uuid4().hex[:8]}"
     host.ensure_bpffs(path)
     try:
-        yield loader.compile_and_pin(path, abi.MapSizes(1024, 1024, 1024, 1024))
+        yield loader.compile_and_pin(path, abi.MapSizes(1024, 1024, 1024, 1024, 1024))
     finally:
         shutil.rmtree(path, ignore_errors=True)

@@ -190,3 +190,23 @@ def test_maps_match_after_churn_and_leave_no_unused_backends(cluster):
     assert {str(state.backends[b].address) for b in used} == {
         str(cluster.lab.pods[i].ipv4) for i in (0, 2)
     } | {str(cluster.lab.pods[i].ipv6) for i in (0, 2)}
+
+
+def test_client_ip_affinity_keeps_a_client_on_one_backend_until_it_leaves(cluster):
+    affinity = {"sessionAffinity": "ClientIP"}
+    affinity["sessionAffinityConfig"] = {"clientIP": {"timeoutSeconds": 600}}
+    cluster.echo(**affinity)
+    first = {r["pod"] for r in cluster.probe("tcp", VIP4, 80, "--count", 40)}
+    assert len(first) == 1, first
+    sticky = next(iter(first))
+    remaining = [i for i, p in enumerate(cluster.lab.pods) if p.name != sticky]
+    cluster.echo(pods=remaining, **affinity)
+    after = {r["pod"] for r in cluster.probe("tcp", VIP4, 80, "--count", 40)}
+    assert len(after) == 1 and sticky not in after, after
+    v6 = {r["pod"] for r in cluster.probe("tcp", VIP6, 80, "--count", 20)}
+    assert len(v6) == 1
+
+
+def test_without_affinity_one_client_spreads_over_backends(cluster):
+    cluster.echo()
+    assert len({r["pod"] for r in cluster.probe("tcp", VIP4, 80, "--count", 60)}) == 3

@@ -97,6 +97,19 @@ class SockRevNat6Key(ct.Structure):
     ]
 
 
+class AffinityKey(ct.Structure):
+    _fields_ = [("netns_cookie", ct.c_uint64), ("service_id", ct.c_uint32), ("pad", ct.c_uint32)]
+
+
+class Affinity(ct.Structure):
+    _fields_ = [
+        ("last_used_ns", ct.c_uint64),
+        ("backend_id", ct.c_uint32),
+        ("slot", ct.c_uint16),
+        ("pad", ct.c_uint16),
+    ]
+
+
 @dataclass(frozen=True)
 class MapSpec:
     """A pinned map: its name in C, its pin name, and the sizes kpr expects."""
@@ -150,6 +163,7 @@ MAPS: dict[str, MapSpec] = {
             RevNat6,
             "KPR_SOCK_REVNAT_MAX",
         ),
+        _spec("kpr_affinity", BPF_MAP_TYPE_LRU_HASH, AffinityKey, Affinity, "KPR_AFFINITY_MAX"),
         _spec("kpr_stats", BPF_MAP_TYPE_PERCPU_ARRAY, ct.c_uint32, ct.c_uint64, None),
     )
 }
@@ -163,6 +177,7 @@ class MapSizes:
     backends: int = 262144
     revnat: int = 65536
     sock_revnat: int = 65536  # LRU: preallocated, so kept modest
+    affinity: int = 65536  # LRU: (client netns, service) pairs with ClientIP affinity
 
     def max_entries(self, spec: MapSpec) -> int:
         return {
@@ -170,6 +185,7 @@ class MapSizes:
             "KPR_BACKEND_MAX": self.backends,
             "KPR_REVNAT_MAX": self.revnat,
             "KPR_SOCK_REVNAT_MAX": self.sock_revnat,
+            "KPR_AFFINITY_MAX": self.affinity,
             None: STAT_MAX,
         }[spec.size_define]
 
@@ -179,6 +195,7 @@ class MapSizes:
             f"-DKPR_BACKEND_MAX={self.backends}",
             f"-DKPR_REVNAT_MAX={self.revnat}",
             f"-DKPR_SOCK_REVNAT_MAX={self.sock_revnat}",
+            f"-DKPR_AFFINITY_MAX={self.affinity}",
         ]
 
 
