@@ -192,7 +192,7 @@ class TestApiServer:
     __test__ = False  # not a pytest test class
 
     def __init__(self, bookmark_interval: float = 1.0, history_size: int = 1000) -> None:
-        self.bookmark_interval = bookmark_interval
+        self._bookmark_interval = bookmark_interval
         self.requests: list[tuple[str, str, dict[str, str]]] = []
         self._cond = threading.Condition()
         self._objects: dict[str, dict[tuple[str, str], dict]] = {k: {} for k in KINDS}
@@ -263,6 +263,17 @@ class TestApiServer:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+    @property
+    def bookmark_interval(self) -> float:
+        """Seconds between BOOKMARK events on watches that allow them."""
+        return self._bookmark_interval
+
+    @bookmark_interval.setter
+    def bookmark_interval(self, seconds: float) -> None:
+        with self._cond:
+            self._bookmark_interval = seconds
+            self._cond.notify_all()  # open watches re-plan their next bookmark
 
     # --- faults ----------------------------------------------------------
 
@@ -588,11 +599,13 @@ class _Handler(BaseHTTPRequestHandler):
         deadline: float | None,
     ) -> None:
         api = self.api
-        next_bookmark = time.monotonic() + api.bookmark_interval
+        last_bookmark = time.monotonic()
         while True:
             with api._cond:
                 while True:
                     now = time.monotonic()
+                    # Read each time: tests may change the interval of open watches.
+                    next_bookmark = last_bookmark + api.bookmark_interval
                     if api._drop_generation != generation or api._stopped:
                         return
                     if api._hanging:
@@ -613,7 +626,7 @@ class _Handler(BaseHTTPRequestHandler):
                 out = [ev for e in events if (ev := _filtered(e, q.kind.kind, matches))]
                 if bookmark_due:
                     out.append(_bookmark(q.kind, cursor))
-                    next_bookmark = now + api.bookmark_interval
+                    last_bookmark = now
             self._chunk(out)
             if timed_out:
                 return

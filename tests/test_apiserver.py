@@ -422,6 +422,38 @@ def test_bounded_history_expires_old_versions() -> None:
         assert err.value.status == 410
 
 
+def test_a_watch_that_falls_behind_the_history_is_ended() -> None:
+    """As the API ends a watcher that lags behind its history: the stream ends cleanly,
+    and resuming from the last version seen gets 410."""
+    with TestApiServer(history_size=2, bookmark_interval=0.1) as server:
+        core = client.CoreV1Api(api_client(server))
+        server.create(labelled("a"))
+        w = watch.Watch()
+        got = []
+        for e in w.stream(
+            core.list_service_for_all_namespaces,
+            resource_version=server.resource_version,
+            allow_watch_bookmarks=True,
+            timeout_seconds=10,
+        ):
+            got.append(e["type"])
+            if len(got) == 1:
+                server.hang(True)  # holds the watcher back while three events pass
+                for i in range(3):
+                    server.update(labelled("a", n=str(i)))
+                server.hang(False)
+        assert got == ["BOOKMARK"]
+        with pytest.raises(ApiException) as err:
+            list(
+                w.stream(
+                    core.list_service_for_all_namespaces,
+                    resource_version=w.resource_version,
+                    timeout_seconds=1,
+                )
+            )
+        assert err.value.status == 410
+
+
 def test_drop_watches_cuts_streams(server: TestApiServer, core: client.CoreV1Api) -> None:
     """A cut stream (no final chunk) surfaces as urllib3.exceptions.ProtocolError
     ("Response ended prematurely"), straight out of Watch.stream."""
