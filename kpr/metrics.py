@@ -22,6 +22,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily
 from prometheus_client.registry import Collector
 
+from kpr.datapath import abi
+
 log = logging.getLogger(__name__)
 
 # Go's client adds no `_created` series; without this prometheus_client adds one to every
@@ -38,8 +40,8 @@ NETWORK_PROGRAMMING_BUCKETS = (
     + tuple(float(s) for s in range(60, 120, 5))
     + tuple(float(s) for s in range(120, 301, 30))
 )
-# The outcomes the BPF programs count (bpf/kpr.h's stats map).
-DATAPATH_OUTCOMES = ("translated", "no_backend", "backend_missing", "reversed", "revnat_full")
+# The outcomes the BPF programs count (bpf/kpr.h's enum kpr_outcome).
+DATAPATH_OUTCOMES = tuple(abi.STAT_NAMES.values())
 
 _KUBE_PROXY = "kubeproxy"
 _POLL_INTERVAL = 0.05  # how soon stop() is noticed
@@ -66,8 +68,9 @@ class _DatapathCollector(Collector):
             except Exception:  # a scrape must not fail because the maps are unreadable
                 log.exception("reading the datapath counters failed")
                 counts = {}
-            for outcome, value in sorted(counts.items()):
-                family.add_metric([outcome], value)
+            # Every known outcome, 0 when absent, so rate() has a series from the start.
+            for outcome in sorted({*DATAPATH_OUTCOMES, *counts}):
+                family.add_metric([outcome], counts.get(outcome, 0))
         yield family
 
     @staticmethod

@@ -206,6 +206,7 @@ def test_datapath_outcomes_are_read_at_scrape_time(metrics: Metrics, server: Met
     values = samples(scrape(server))
     assert values[("kpr_datapath_outcomes_total", (("outcome", "translated"),))] == 10
     assert values[("kpr_datapath_outcomes_total", (("outcome", "no_backend"),))] == 2
+    assert values[("kpr_datapath_outcomes_total", (("outcome", "revnat_full"),))] == 0
     counts["translated"] = 15  # the next scrape reads again
     values = samples(scrape(server))
     assert values[("kpr_datapath_outcomes_total", (("outcome", "translated"),))] == 15
