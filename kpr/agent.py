@@ -94,6 +94,7 @@ class Agent:
         self._reported: set[str] = set()
         self.last_full = 0.0
         self.last_sync = 0.0
+        self.node_deleting = False
 
     def start(self) -> None:
         """Load and attach the programs, open the pinned maps, adopt their content."""
@@ -124,6 +125,7 @@ class Agent:
         """Fold a snapshot into the desired state; the frontends it touched
         (None: all of them)."""
         self.source_problems = snapshot.problems
+        self.node_deleting = snapshot.node_deleting
         if snapshot.zone != self.node.zone:  # topology hints depend on it
             self.node = NodeContext(self.node.name, snapshot.zone, self.node.proxy_name)
         if snapshot.changed is None:
@@ -224,6 +226,22 @@ class Agent:
         for observer in self.observers:
             observer.synced(outcome)
         return outcome
+
+    def map_fill(self) -> dict[str, tuple[int, int]]:
+        """Entries and capacity of the service, backend and reverse maps, from what
+        the agent wrote (reading the kernel maps would walk every key)."""
+        sizes = self.config.sizes
+        fill = {}
+        for version in (4, 6):
+            services = [s for f, s in self.programmed.services.items() if f.family == version]
+            fill[f"services{version}"] = (sum(1 + len(s.slots) for s in services), sizes.services)
+            backends = [
+                b for b in self.programmed.backends.values() if b.address.version == version
+            ]
+            fill[f"backends{version}"] = (len(backends), sizes.backends)
+            revnat = [f for f in self.programmed.revnat.values() if f.family == version]
+            fill[f"revnat{version}"] = (len(revnat), sizes.revnat)
+        return fill
 
     def _report(self, problems: list[Problem]) -> None:
         """Log each problem once, while it lasts."""

@@ -35,47 +35,126 @@ def _fail(err: Exception) -> None:
 @app.command()
 def run(
     source: Annotated[
-        Path,
+        Path | None,
         typer.Option(
             "--source",
-            help="Directory of Service and EndpointSlice manifests (YAML as kubectl writes it).",
+            help="Directory of Service and EndpointSlice manifests (YAML as kubectl writes it), "
+            "instead of the Kubernetes API.",
         ),
-    ],
+    ] = None,
+    config_file: Annotated[
+        Path | None,
+        typer.Option("--config", help="A KubeProxyConfiguration file (kube-proxy's ConfigMap)."),
+    ] = None,
+    kubeconfig: Annotated[str | None, typer.Option(help="kubeconfig of the API server.")] = None,
+    master: Annotated[
+        str | None,
+        typer.Option(help="API server address; overrides the kubeconfig's and in-cluster's."),
+    ] = None,
     cgroup: Annotated[
         Path | None,
         typer.Option(help="cgroup v2 directory to attach to (default: the cgroup v2 root)."),
     ] = None,
     bpffs: BpffsOption = host.DEFAULT_PIN_DIR,
     node_name: Annotated[
-        str | None, typer.Option(help="This node's name (default: the hostname).")
+        str | None,
+        typer.Option(help="This node's name (default: hostnameOverride, else the hostname)."),
     ] = None,
     proxy_name: Annotated[
         str, typer.Option(help="Also serve Services labelled service-proxy-name=<this>.")
     ] = "kpr",
+    healthz_bind_address: Annotated[
+        str | None, typer.Option(help='host:port of /healthz and /livez ("" disables).')
+    ] = None,
+    metrics_bind_address: Annotated[
+        str | None, typer.Option(help='host:port of /metrics ("" disables).')
+    ] = None,
+    min_sync_period: Annotated[
+        float | None, typer.Option(help="Seconds: at most one sync per this under churn.")
+    ] = None,
+    sync_period: Annotated[
+        float | None, typer.Option(help="Seconds: a full sync (repairing drift) this often.")
+    ] = None,
     log_level: Annotated[str, typer.Option(help="debug, info, warning or error.")] = "info",
 ) -> None:
-    """Run the agent: keep the BPF maps equal to the Services in --source."""
+    """Run the agent: keep the BPF maps equal to the Services of the API server (or --source)."""
     from kpr.agent import Agent, AgentConfig
-    from kpr.sources.manifests import ManifestSource
+    from kpr.config import ConfigError, ProxyConfig, load_config, split_host_port
+    from kpr.health import HealthServer, ProxyHealth
+    from kpr.metrics import Metrics, MetricsServer
+    from kpr.telemetry import Telemetry
 
     logging.basicConfig(
         level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    config = AgentConfig(
-        pin_dir=bpffs,
-        cgroup=cgroup,
-        node=NodeContext(name=node_name or socket.gethostname(), proxy_name=proxy_name),
-    )
+    log = logging.getLogger("kpr")
+    try:
+        host.require_root()
+        proxy = ProxyConfig()
+        if config_file is not None:
+            proxy, notes = load_config(config_file.read_text(), str(config_file))
+            for note in notes:
+                log.info("config: %s", note)
+        for name, value in (
+            ("healthz_bind_address", healthz_bind_address),
+            ("metrics_bind_address", metrics_bind_address),
+            ("min_sync_period", min_sync_period),
+            ("sync_period", sync_period),
+        ):
+            if value is not None:
+                setattr(proxy, name, value)
+        node = node_name or proxy.hostname_override or socket.gethostname()
+        metrics = Metrics()
+        if source is not None:
+            from kpr.sources.manifests import ManifestSource
+
+            feed = ManifestSource(source)
+        else:
+            from kpr.sources.kubernetes import KubernetesSource, api_client
+
+            def report(what: str, resource: str) -> None:
+                counter = (
+                    metrics.relists_total if what == "relist" else metrics.watch_restarts_total
+                )
+                counter.labels(resource=resource).inc()
+
+            feed = KubernetesSource(
+                api_client(kubeconfig or proxy.kubeconfig, master),
+                node,
+                proxy_name,
+                on_invalid=lambda kind: metrics.invalid_objects_total.labels(kind=kind).inc(),
+                report=report,
+            )
+        config = AgentConfig(
+            pin_dir=bpffs,
+            cgroup=cgroup,
+            node=NodeContext(name=node, proxy_name=proxy_name),
+            min_sync_period=proxy.min_sync_period,
+            sync_period=proxy.sync_period,
+        )
+        agent = Agent(feed, config)
+        agent.start()
+        health = ProxyHealth(proxy.sync_period)
+        Telemetry(health, metrics).attach(agent)
+        servers = []
+        if proxy.healthz_bind_address:
+            servers.append(
+                HealthServer(health, metrics, *split_host_port(proxy.healthz_bind_address))
+            )
+        if proxy.metrics_bind_address:
+            servers.append(MetricsServer(metrics, *split_host_port(proxy.metrics_bind_address)))
+        for server in servers:
+            server.start()
+    except (host.SetupError, ConfigError, ValueError, OSError) as err:
+        _fail(err)
     stop = threading.Event()
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: stop.set())
     try:
-        host.require_root()
-        agent = Agent(ManifestSource(source), config)
-        agent.start()
-    except (host.SetupError, FileNotFoundError, NotADirectoryError) as err:
-        _fail(err)
-    agent.run(stop)
+        agent.run(stop)
+    finally:
+        for server in servers:
+            server.stop()
 
 
 @app.command()

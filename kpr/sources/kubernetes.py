@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import random
 import threading
 import time
@@ -84,8 +85,10 @@ class Watcher(threading.Thread):
         field_selector: str | None = None,
         watch_timeout: float = 300.0,
         request_timeout: float = 30.0,
+        report: Callable[[str, str], None] = lambda what, resource: None,
     ) -> None:
         super().__init__(name=f"watch-{name}", daemon=True)
+        self.report = report  # ("restart" | "relist", resource) for metrics
         self.resource = name
         self.list_fn = list_fn
         self.on_list = on_list
@@ -117,6 +120,7 @@ class Watcher(threading.Thread):
                         "%s: resourceVersion %s expired (410): listing again", self.name, version
                     )
                     self.stats.relists += 1
+                    self.report("relist", self.resource.split("-")[0])
                     version = None
                     continue
                 self._failed(f"API error {err.status}: {err.reason}")
@@ -126,6 +130,7 @@ class Watcher(threading.Thread):
 
     def _failed(self, reason: str) -> None:
         self.stats.restarts += 1
+        self.report("restart", self.resource.split("-")[0])
         self.stats.last_error = reason
         delay = self.backoff.next_delay()
         log.warning("%s: %s; retrying in %.1fs", self.name, reason, delay)
@@ -208,6 +213,7 @@ class KubernetesSource:
         watch_timeout: float = 300.0,
         request_timeout: float = 30.0,
         on_invalid: Callable[[str], None] | None = None,
+        report: Callable[[str, str], None] = lambda what, resource: None,
     ) -> None:
         self.api = api
         self.node_name = node_name
@@ -219,7 +225,11 @@ class KubernetesSource:
         self._on_invalid = on_invalid or (lambda kind: None)
         core = client.CoreV1Api(api)
         discovery = client.DiscoveryV1Api(api)
-        common = {"watch_timeout": watch_timeout, "request_timeout": request_timeout}
+        common = {
+            "watch_timeout": watch_timeout,
+            "request_timeout": request_timeout,
+            "report": report,
+        }
         self.watchers: list[Watcher] = []
         for i, selector in enumerate(label_selectors(proxy_name)):
             for name, fn in (
@@ -359,6 +369,13 @@ class KubernetesSource:
                 node_deleting=store.node_deleting,
             )
 
+    def pending(self) -> tuple[int, int]:
+        """Services with changes not yet polled, and EndpointSlice changes among them
+        (not told apart: both count the Services they touch)."""
+        with self._lock:
+            count = len(self._store.changed)
+        return count, count
+
     def status(self) -> dict:
         return {
             w.resource: {
@@ -384,3 +401,39 @@ def _ref(resource: str, obj: dict) -> ObjectRef:
     )
     metadata = obj.get("metadata") or {}
     return ObjectRef(kind, metadata.get("namespace") or "default", metadata.get("name") or "?")
+
+
+def api_client(kubeconfig: str | None, master: str | None) -> client.ApiClient:
+    """The API server to talk to: a kubeconfig, else in-cluster credentials, else
+    `master` alone. `master` overrides the address in every case: in-cluster, the
+    default is the kubernetes Service's ClusterIP, which nothing serves until kpr
+    itself runs."""
+    from kubernetes import config
+    from kubernetes.config.incluster_config import (
+        SERVICE_CERT_FILENAME,
+        SERVICE_TOKEN_FILENAME,
+        InClusterConfigLoader,
+    )
+
+    configuration = client.Configuration()
+    if kubeconfig:
+        config.load_kube_config(config_file=kubeconfig, client_configuration=configuration)
+    elif os.path.exists(SERVICE_TOKEN_FILENAME):
+        environ = dict(os.environ)
+        if master:  # the loader insists on these; the host is replaced below anyway
+            environ.setdefault("KUBERNETES_SERVICE_HOST", "127.0.0.1")
+            environ.setdefault("KUBERNETES_SERVICE_PORT", "443")
+        loader = InClusterConfigLoader(
+            SERVICE_TOKEN_FILENAME, SERVICE_CERT_FILENAME, environ=environ
+        )
+        loader.load_and_set(configuration)
+    elif not master:
+        raise ValueError(
+            "No API server to talk to: pass --kubeconfig or --master, set "
+            "clientConnection.kubeconfig in --config, or run in a pod (in-cluster credentials)."
+        )
+    if master:
+        configuration.host = master
+    # our own back-off retries; urllib3's would multiply every timeout by four
+    configuration.retries = False
+    return client.ApiClient(configuration)
