@@ -12,6 +12,7 @@ Service, so the agent re-translates only those.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -21,8 +22,9 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from kubernetes import client, watch
+from kubernetes import client
 from kubernetes.client.rest import ApiException
+from kubernetes.watch.watch import iter_resp_lines
 
 from kpr.model import EndpointSlice, ObjectRef, Problem, Service, ServiceKey, Snapshot
 from kpr.objects import ObjectError, parse_endpoint_slice, parse_service
@@ -103,7 +105,7 @@ class Watcher(threading.Thread):
         self.request_timeout = request_timeout
         self.stats = WatchStats()
         self.backoff = Backoff()
-        self._watch: watch.Watch | None = None
+        self._response = None
 
     def run(self) -> None:
         version: str | None = None
@@ -148,39 +150,47 @@ class Watcher(threading.Thread):
         return body["metadata"]["resourceVersion"]
 
     def _watch_from(self, version: str) -> str:
-        """Watch until the server ends the stream; the last version seen."""
-        self._watch = watch.Watch()
+        """Watch until the server ends the stream; the last version seen. The
+        response is read line by line here: the client's Watch wrapper cannot
+        report a 410 without deserializing every object into a model."""
         # the server ends the watch after timeout_seconds (jittered, as client-go
         # does); a read that stays silent past that means a dead connection
         timeout = int(self.watch_timeout * random.uniform(1.0, 1.2))
-        stream = self._watch.stream(
-            self.list_fn,
+        response = self.list_fn(
             **self.selectors,
+            watch=True,
             resource_version=version,
             allow_watch_bookmarks=True,
             timeout_seconds=timeout,
             _request_timeout=(self.request_timeout, timeout + self.request_timeout),
-            deserialize=False,
+            _preload_content=False,
         )
+        self._response = response
         self.stats.connected = True
-        for event in stream:
-            if self.stop_event.is_set():
-                self._watch.stop()
-                break
-            kind, obj = event["type"], event["object"]
-            if kind == "ERROR":
-                status = obj.get("code", 500)
-                raise ApiException(status=status, reason=obj.get("message", ""))
-            metadata = obj.get("metadata") or {}
-            version = metadata.get("resourceVersion", version)
-            self.stats.last_event = time.time()
-            if kind != "BOOKMARK":
-                self.on_event(self.resource, kind, obj)
+        try:
+            for line in iter_resp_lines(response):
+                if self.stop_event.is_set():
+                    break
+                if not line.strip():
+                    continue
+                event = json.loads(line)
+                kind, obj = event["type"], event["object"]
+                if kind == "ERROR":
+                    raise ApiException(status=obj.get("code", 500), reason=obj.get("message", ""))
+                version = (obj.get("metadata") or {}).get("resourceVersion", version)
+                self.stats.last_event = time.time()
+                if kind != "BOOKMARK":
+                    self.on_event(self.resource, kind, obj)
+        finally:
+            self._response = None
+            response.release_conn()
         return version
 
     def close(self) -> None:
-        if self._watch is not None:
-            self._watch.stop()
+        response = self._response
+        if response is not None:  # unblock a read waiting on a quiet watch
+            with contextlib.suppress(Exception):
+                response.shutdown()
 
 
 @dataclass
