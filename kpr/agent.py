@@ -195,6 +195,7 @@ class Agent:
             apply_plan(self.programmed, steps)
         if full or steps.writes():
             self.state.record(self.desired, result.failed, problems)
+            self.state.watches = self.source.status()
             self.state.save()
         now = time.time()
         self.last_sync = now
@@ -226,6 +227,14 @@ class Agent:
         for observer in self.observers:
             observer.synced(outcome)
         return outcome
+
+    def _save_source_status(self) -> None:
+        """The watches' health for `kpr status`, when it changed (not every loop)."""
+        watches = self.source.status()
+        connected = {name: w.get("connected") for name, w in watches.items()}
+        if connected != {name: w.get("connected") for name, w in self.state.watches.items()}:
+            self.state.watches = watches
+            self.state.save()
 
     def map_fill(self) -> dict[str, tuple[int, int]]:
         """Entries and capacity of the service, backend and reverse maps, from what
@@ -270,6 +279,7 @@ class Agent:
                     stop.wait(hold)
             elif self.last_sync and until_full <= 0:
                 self.sync(None, full=True)
+            self._save_source_status()
         self.source.stop()
         log.info("stopping; programs stay attached and maps pinned (pid %d)", os.getpid())
 

@@ -35,6 +35,7 @@ class RunState:
     held: list[str] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)
     failed: list[str] = field(default_factory=list)
+    watches: dict[str, dict] = field(default_factory=dict)  # the source's status
 
     def record(
         self, translation: Translation, failed: set[Frontend], problems: list[Problem]

@@ -80,6 +80,7 @@ def report(pin_dir: Path) -> dict:
             "cgroup": state.cgroup,
             "last_sync": state.last_sync,
             "problems": state.problems,
+            "watches": state.watches,
             "failed": state.failed,
         }
     return {
@@ -108,6 +109,13 @@ def render(status: dict) -> str:
         running = "running" if agent["running"] else "not running"
         lines.append(f"agent:     pid {agent['pid']} ({running}), last sync {when}")
         lines.append(f"source:    {agent['source']}")
+        watches = agent.get("watches") or {}
+        if watches:
+            down = [name for name, w in watches.items() if not w.get("connected")]
+            relists = sum(w.get("relists", 0) for w in watches.values())
+            restarts = sum(w.get("restarts", 0) for w in watches.values())
+            health = "healthy" if not down else f"NOT CONNECTED: {', '.join(sorted(down))}"
+            lines.append(f"watch:     {health} ({restarts} restarts, {relists} relists)")
         attached = status["attached"]
         hooks = ", ".join(h for h, ok in attached.items() if ok) or "none"
         lines.append(f"cgroup:    {agent['cgroup']}")

@@ -122,6 +122,15 @@ def test_services_follow_the_api_server_create_scale_update_delete(lab, api, age
     agent.start()
     echo(api, lab)
     eventually(lambda: reached(lab) == pods(lab, 0, 1, 2))
+    watches = agent_status(agent)["agent"]["watches"]
+    assert set(watches) == {f"{r}-{i}" for r in ("services", "endpointslices") for i in (0, 1)} | {
+        "node"
+    }
+    assert all(w["connected"] and w["synced"] for w in watches.values())
+    text = subprocess.run(
+        [*KPR, "status", "--bpffs", str(agent.pin_dir)], capture_output=True, text=True
+    ).stdout
+    assert f"kubernetes:{api.url}" in text and "watch:     healthy" in text
     echo(api, lab, pods=(1,))
     eventually(lambda: reached(lab) == pods(lab, 1))
     svc = api.get("Service", "default", "echo")

@@ -80,7 +80,7 @@ class ManifestSource:
             time.sleep(min(POLL_INTERVAL, remaining))
 
     def status(self) -> dict:
-        return {"directory": str(self.directory), "files": len(self._stamps or {})}
+        return {}  # no watches: the directory is read when it changes
 
     def poll(self) -> Snapshot | None:
         """A new Snapshot on the first call and after any change; None when nothing changed."""
