@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from ipaddress import IPv4Address, IPv6Address
+from operator import attrgetter
 
 IPAddress = IPv4Address | IPv6Address
 
@@ -35,7 +36,7 @@ class ObjectRef:
 # --- Kubernetes objects, validated -------------------------------------------------
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class ServicePort:
     name: str  # "" when the Service has a single unnamed port
     protocol: str  # "TCP" | "UDP" | "SCTP"
@@ -43,7 +44,7 @@ class ServicePort:
     node_port: int | None = None
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Service:
     namespace: str
     name: str
@@ -62,7 +63,7 @@ class Service:
         return ObjectRef("Service", self.namespace, self.name)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Endpoint:
     addresses: tuple[IPAddress, ...]
     ready: bool = True
@@ -74,14 +75,14 @@ class Endpoint:
     hints_for_zones: tuple[str, ...] | None = None
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class EndpointPort:
     name: str  # "" when unnamed
     protocol: str
     port: int | None  # None: unset (the slice carries no port)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class EndpointSlice:
     namespace: str
     name: str
@@ -109,30 +110,33 @@ class NodeContext:
 # --- Desired datapath state ----------------------------------------------------------
 
 
-def _sort_key(address: IPAddress, *rest: object) -> tuple:
-    # IPv4Address and IPv6Address refuse to compare with each other
-    return (address.version, int(address), *rest)
+# Frontends and backends are hashed and sorted by the hundred thousand: each
+# keeps a tuple key that orders them (IPv4 before IPv6, then numerically; the
+# ipaddress classes refuse to compare across families) and hashes cheaply.
+by_key = attrgetter("key")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True, eq=False)
 class Frontend:
     """One address:port/protocol the datapath answers for."""
 
     address: IPAddress
     port: int
     protocol: str  # "TCP" | "UDP"
+    key: tuple = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
-        # hashed in every map operation: ipaddress hashes slowly, so once is enough
-        object.__setattr__(self, "_hash", hash((int(self.address), self.port, self.protocol)))
+        key = (self.address.version, int(self.address), self.port, self.protocol)
+        object.__setattr__(self, "key", key)
 
     def __hash__(self) -> int:
-        return self._hash  # type: ignore[attr-defined]
+        return hash(self.key)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Frontend) and self.key == other.key
 
     def __lt__(self, other: Frontend) -> bool:
-        return _sort_key(self.address, self.port, self.protocol) < _sort_key(
-            other.address, other.port, other.protocol
-        )
+        return self.key < other.key
 
     @property
     def family(self) -> int:
@@ -143,26 +147,30 @@ class Frontend:
         return f"{host}:{self.port}/{self.protocol}"
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True, eq=False)
 class Backend:
     address: IPAddress
     port: int
+    key: tuple = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "_hash", hash((int(self.address), self.port)))
+        object.__setattr__(self, "key", (self.address.version, int(self.address), self.port))
 
     def __hash__(self) -> int:
-        return self._hash  # type: ignore[attr-defined]
+        return hash(self.key)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Backend) and self.key == other.key
 
     def __lt__(self, other: Backend) -> bool:
-        return _sort_key(self.address, self.port) < _sort_key(other.address, other.port)
+        return self.key < other.key
 
     def __str__(self) -> str:
         host = f"[{self.address}]" if self.address.version == 6 else str(self.address)
         return f"{host}:{self.port}"
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class FrontendState:
     """What one frontend should do: which Service port it is, which backends serve."""
 

@@ -36,11 +36,17 @@ class RunState:
     problems: list[str] = field(default_factory=list)
     failed: list[str] = field(default_factory=list)
     watches: dict[str, dict] = field(default_factory=dict)  # the source's status
+    # seconds from the source's first complete list to the maps programmed
+    first_sync_after_list: float | None = None
 
     def record(
-        self, translation: Translation, failed: set[Frontend], problems: list[Problem]
+        self,
+        translation: Translation,
+        failed: set[Frontend],
+        problems: list[Problem],
+        synced_at: float,
     ) -> None:
-        self.last_sync = time.time()
+        self.last_sync = synced_at
         self.desired = {str(f): _state(s) for f, s in sorted(translation.frontends.items())}
         self.held = sorted(str(f) for f in translation.held)
         self.problems = [str(p) for p in problems]

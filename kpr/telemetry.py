@@ -56,6 +56,7 @@ class Telemetry:
             m.map_write_failures_total.inc(result.failed)
         if self.agent is not None:
             self.health.set_node_deleting(self.agent.node_deleting)
+        if self.agent is not None and result.full:  # counting walks every frontend
             for name, (used, size) in self.agent.map_fill().items():
                 m.map_entries.labels(map=name).set(used)
                 m.map_max_entries.labels(map=name).set(size)

@@ -25,6 +25,7 @@ from kpr.model import (
     ServiceKey,
     ServicePort,
     Translation,
+    by_key,
 )
 from kpr.objects import SERVICE_NAME_LABEL
 
@@ -111,7 +112,7 @@ def select_backends(
 ) -> tuple[Backend, ...]:
     """The backends of one Service port on this node: sorted and unique."""
     endpoints = merge_endpoints(port, slices)
-    return tuple(sorted(set(categorize_endpoints(endpoints, traffic_policy, node))))
+    return tuple(sorted(set(categorize_endpoints(endpoints, traffic_policy, node)), key=by_key))
 
 
 def is_served(service: Service, node: NodeContext) -> bool:

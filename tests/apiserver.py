@@ -475,6 +475,9 @@ class _Handler(BaseHTTPRequestHandler):
 
     def setup(self) -> None:
         super().setup()
+        # Go's net/http (kube-apiserver) sets TCP_NODELAY; without it a watch event
+        # can wait ~40 ms for Nagle and delayed ACKs
+        self.connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         with self.api._cond:
             if self.api._stopped:
                 _cut(self.connection)

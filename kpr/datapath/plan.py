@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field
 
-from kpr.model import Backend, Frontend, FrontendState, Translation
+from kpr.model import Backend, Frontend, FrontendState, Translation, by_key
 
 
 @dataclass
@@ -126,28 +126,31 @@ def plan(
     new_backends: dict[Backend, int] = {}
     refs = Counter[int]()  # change in the number of slots naming each backend
 
-    def backend_id(backend: Backend) -> int:
-        nonlocal next_backend_id
-        bid = programmed.backend_index.get(backend) or new_backends.get(backend)
-        if bid is None:
-            next_backend_id += 1
-            bid = new_backends[backend] = next_backend_id
-            out.backend_writes[bid] = backend
-        return bid
-
-    for frontend in sorted(wanted_frontends):
+    known = programmed.backend_index
+    for frontend in sorted(wanted_frontends, key=by_key):
         state = desired[frontend]
-        wanted = [backend_id(b) for b in state.backends]
+        wanted = []
+        for backend in state.backends:
+            bid = known.get(backend) or new_backends.get(backend)
+            if bid is None:
+                next_backend_id += 1
+                bid = new_backends[backend] = next_backend_id
+                out.backend_writes[bid] = backend
+            wanted.append(bid)
         current = programmed.services.get(frontend)
-        if current is None:
+        if current is None:  # the common case of a first sync: every slot is new
             next_service_id += 1
-            service_id = next_service_id
-            slots = wanted
-            old_slots: list[int] = []
-        else:
-            service_id = current.service_id
-            old_slots = current.slots
-            slots = assign_slots(old_slots, wanted)
+            refs.update(wanted)
+            slot_keys = [(frontend, i) for i in range(1, len(wanted) + 1)]
+            out.slot_writes.update(zip(slot_keys, wanted, strict=True))
+            out.revnat_writes[next_service_id] = frontend
+            out.master_writes.append(
+                Master(frontend, len(wanted), next_service_id, state.affinity_timeout)
+            )
+            continue
+        service_id = current.service_id
+        old_slots = current.slots
+        slots = assign_slots(old_slots, wanted)
         refs.update(slots)
         refs.subtract(old_slots)
         for i, bid in enumerate(slots, start=1):
@@ -155,17 +158,13 @@ def plan(
                 out.slot_writes[(frontend, i)] = bid
         if programmed.revnat.get(service_id) != frontend:
             out.revnat_writes[service_id] = frontend
-        if (
-            current is None
-            or len(old_slots) != len(slots)
-            or current.affinity_timeout != state.affinity_timeout
-        ):
+        if len(old_slots) != len(slots) or current.affinity_timeout != state.affinity_timeout:
             out.master_writes.append(
                 Master(frontend, len(slots), service_id, state.affinity_timeout)
             )
         out.slot_deletes.extend((frontend, i) for i in range(len(slots) + 1, len(old_slots) + 1))
 
-    for frontend in sorted(stale):
+    for frontend in sorted(stale, key=by_key):
         current = programmed.services[frontend]
         out.master_deletes.append(frontend)
         out.slot_deletes.extend((frontend, i) for i in range(1, len(current.slots) + 1))

@@ -19,13 +19,14 @@ import os
 import random
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 
 from kubernetes import client
 from kubernetes.client.rest import ApiException
 from kubernetes.watch.watch import iter_resp_lines
 
+from kpr.gcpause import paused_gc
 from kpr.model import EndpointSlice, ObjectRef, Problem, Service, ServiceKey, Snapshot
 from kpr.objects import ObjectError, parse_endpoint_slice, parse_service
 
@@ -33,6 +34,7 @@ log = logging.getLogger(__name__)
 
 SERVICE_PROXY_NAME_LABEL = "service.kubernetes.io/service-proxy-name"
 HEADLESS_LABEL = "service.kubernetes.io/headless"
+LIST_PAGE = 500  # client-go's reflector page size
 ZONE_LABEL = "topology.kubernetes.io/zone"
 
 
@@ -69,6 +71,7 @@ class WatchStats:
     restarts: int = 0  # watches resumed after a failure
     connected: bool = False
     synced: bool = False
+    first_list: float | None = None
     last_event: float | None = None
     last_error: str | None = None
 
@@ -80,7 +83,7 @@ class Watcher(threading.Thread):
         self,
         name: str,
         list_fn: Callable,
-        on_list: Callable[[str, list[dict]], None],
+        on_list: Callable[[str, Iterable[dict]], None],
         on_event: Callable[[str, str, dict], None],
         stop: threading.Event,
         label_selector: str | None = None,
@@ -139,15 +142,36 @@ class Watcher(threading.Thread):
         self.stop_event.wait(delay)
 
     def _list(self) -> str:
-        response = self.list_fn(
-            **self.selectors, _preload_content=False, _request_timeout=self.request_timeout
-        )
-        body = json.loads(response.data)
+        """List in pages of LIST_PAGE objects, as client-go's reflector does, so a
+        large cluster is never held as one JSON document; the list's version."""
+        first: dict = {}
+
+        def items() -> Iterator[dict]:
+            token = None
+            while True:
+                extra = {"_continue": token} if token else {}
+                response = self.list_fn(
+                    **self.selectors,
+                    limit=LIST_PAGE,
+                    _preload_content=False,
+                    _request_timeout=self.request_timeout,
+                    **extra,
+                )
+                with paused_gc():
+                    body = json.loads(response.data)
+                metadata = body.get("metadata") or {}
+                first.setdefault("resourceVersion", metadata.get("resourceVersion"))
+                yield from body.get("items") or []
+                token = metadata.get("continue")
+                if not token:
+                    return
+
+        self.on_list(self.resource, items())
         self.stats.lists += 1
-        self.on_list(self.resource, body.get("items") or [])
         self.stats.synced = True
         self.stats.last_event = time.time()
-        return body["metadata"]["resourceVersion"]
+        self.stats.first_list = self.stats.first_list or self.stats.last_event
+        return first["resourceVersion"]
 
     def _watch_from(self, version: str) -> str:
         """Watch until the server ends the stream; the last version seen. The
@@ -204,6 +228,10 @@ class _Store:
     everything_changed: bool = True
     zone: str | None = None
     node_deleting: bool = False
+    # Service → its slices, keyed by (watcher, slice)
+    slices_of: dict[ServiceKey, dict[tuple[str, ObjectRef], EndpointSlice]] = field(
+        default_factory=dict
+    )
 
 
 def _service_key(obj: Service | EndpointSlice) -> ServiceKey | None:
@@ -271,6 +299,13 @@ class KubernetesSource:
             watcher.close()
 
     @property
+    def synced_at(self) -> float | None:
+        """When the last of the first lists completed."""
+        if not self.synced:
+            return None
+        return max(w.stats.first_list or 0.0 for w in self.watchers if w.resource != "node")
+
+    @property
     def synced(self) -> bool:
         """Services and EndpointSlices have all been listed once (the Node is optional:
         kpr serves without it, as kube-proxy does)."""
@@ -284,44 +319,67 @@ class KubernetesSource:
 
     # --- feeding the store (watcher threads) --------------------------------------
 
-    def _parse(self, resource: str, obj: dict) -> Service | EndpointSlice | None:
+    def _parse(
+        self, resource: str, obj: dict, problems: dict[ObjectRef, Problem | None]
+    ) -> Service | EndpointSlice | None:
+        """The validated object, or None; `problems` gets its problem (or None: fixed)."""
         parse = parse_service if resource.startswith("services") else parse_endpoint_slice
-        kind = "Service" if resource.startswith("services") else "EndpointSlice"
-        metadata = obj.get("metadata") or {}
-        ref = ObjectRef(kind, metadata.get("namespace") or "default", metadata.get("name") or "?")
+        ref = _ref(resource, obj)
         try:
             parsed = parse(obj)
         except ObjectError as err:
             # the last good version stays: nothing already programmed is lost
-            self._store.problems[ref] = Problem(
-                f"{err.message}; skipped", err.ref or ref, err.field
-            )
-            self._on_invalid(kind)
+            problems[ref] = Problem(f"{err.message}; skipped", err.ref or ref, err.field)
+            self._on_invalid(ref.kind)
             log.warning("invalid %s: %s", ref, err)
             return None
-        self._store.problems.pop(ref, None)
+        problems[ref] = None
         return parsed
+
+    def _record(self, problems: dict[ObjectRef, Problem | None]) -> None:
+        for ref, problem in problems.items():
+            if problem is None:
+                self._store.problems.pop(ref, None)
+            else:
+                self._store.problems[ref] = problem
 
     def _table(self, resource: str) -> dict:
         tables = self._store.services if resource.startswith("services") else self._store.slices
         return tables.setdefault(resource, {})
 
-    def _listed(self, resource: str, items: list[dict]) -> None:
-        with self._lock:
-            if resource == "node":
-                self._node(items[0] if items else None)
-            else:
-                table = self._table(resource)
-                old = dict(table)
-                table.clear()
-                for obj in items:
-                    parsed = self._parse(resource, obj)
-                    ref = _ref(resource, obj)
-                    if parsed is not None:
-                        table[ref] = parsed
-                    elif ref in old:
-                        table[ref] = old[ref]
+    def _listed(self, resource: str, items: Iterable[dict]) -> None:
+        """A complete list: the table is replaced at once, after every page arrived
+        (a list cut short leaves the previous table in place)."""
+        if resource == "node":
+            nodes = list(items)
+            with self._lock:
+                self._node(nodes[0] if nodes else None)
                 self._store.everything_changed = True
+            self._changes.set()
+            return
+        fresh: dict[ObjectRef, Service | EndpointSlice] = {}
+        problems: dict[ObjectRef, Problem | None] = {}
+        with paused_gc():
+            for obj in items:  # pages are fetched while this loop runs
+                ref = _ref(resource, obj)
+                parsed = self._parse(resource, obj, problems)
+                if parsed is not None:
+                    fresh[ref] = parsed
+        with self._lock, paused_gc():
+            table = self._table(resource)
+            for ref, problem in problems.items():
+                if problem is not None and ref in table:
+                    fresh[ref] = table[ref]  # keep the last good version
+            old = dict(table)
+            table.clear()
+            table.update(fresh)
+            self._record(problems)
+            if resource.startswith("endpointslices"):
+                for ref in old.keys() - table.keys():
+                    self._index_slice(resource, ref, old[ref], None)
+                for ref, version in table.items():
+                    self._index_slice(resource, ref, old.get(ref), version)
+            self._store.everything_changed = True
         self._changes.set()
 
     def _event(self, resource: str, kind: str, obj: dict) -> None:
@@ -337,7 +395,9 @@ class KubernetesSource:
                     table.pop(ref, None)
                     self._store.problems.pop(ref, None)
                 else:
-                    parsed = self._parse(resource, obj)
+                    problems: dict[ObjectRef, Problem | None] = {}
+                    parsed = self._parse(resource, obj, problems)
+                    self._record(problems)
                     if parsed is None:
                         return
                     table[ref] = parsed
@@ -345,7 +405,27 @@ class KubernetesSource:
                     key = _service_key(version) if version is not None else None
                     if key:
                         self._store.changed.add(key)
+                if resource.startswith("endpointslices"):
+                    self._index_slice(resource, ref, before, table.get(ref))
         self._changes.set()
+
+    def _index_slice(
+        self,
+        resource: str,
+        ref: ObjectRef,
+        before: EndpointSlice | None,
+        after: EndpointSlice | None,
+    ) -> None:
+        """Keep `slices_of` (Service → its slices) current, for partial snapshots."""
+        for version, present in ((before, False), (after, True)):
+            key = _service_key(version) if version is not None else None
+            if key is None:
+                continue
+            entries = self._store.slices_of.setdefault(key, {})
+            if present:
+                entries[(resource, ref)] = version
+            else:
+                entries.pop((resource, ref), None)
 
     def _node(self, obj: dict | None) -> None:
         metadata = (obj or {}).get("metadata") or {}
@@ -361,13 +441,19 @@ class KubernetesSource:
             store = self._store
             if not self.synced or not (store.everything_changed or store.changed):
                 return None
-            services = {k: v for t in store.services.values() for k, v in t.items()}
-            slices = {k: v for t in store.slices.values() for k, v in t.items()}
             changed: set[ServiceKey] | None = None
-            if not store.everything_changed:
+            if store.everything_changed:
+                services = {k: v for t in store.services.values() for k, v in t.items()}
+                slices = {k: v for t in store.slices.values() for k, v in t.items()}
+            else:  # only the changed Services, found through the indexes
                 changed = set(store.changed)
-                services = {k: v for k, v in services.items() if _service_key(v) in changed}
-                slices = {k: v for k, v in slices.items() if _service_key(v) in changed}
+                refs = [ObjectRef("Service", ns, name) for ns, name in changed]
+                services = {r: t[r] for t in store.services.values() for r in refs if r in t}
+                slices = {
+                    ref: version
+                    for key in changed
+                    for (_, ref), version in store.slices_of.get(key, {}).items()
+                }
             store.changed.clear()
             store.everything_changed = False
             return Snapshot(
