@@ -94,10 +94,12 @@ def measure(services: int, endpoints: int, changes: int) -> dict:
     cgroup = host.cgroup2_root() / f"kpr-bench-{uuid.uuid4().hex[:8]}"
     host.ensure_bpffs(pin_dir)
     cgroup.mkdir()
-    log = tempfile.NamedTemporaryFile("w+", suffix=".log")
     agent = None
     try:
-        with TestApiServer(bookmark_interval=5.0, history_size=changes * 4 + 100) as api:
+        with (
+            TestApiServer(bookmark_interval=5.0, history_size=changes * 4 + 100) as api,
+            tempfile.TemporaryFile("w+") as log,
+        ):
             populate(api, services, endpoints)
             started = time.time()
             agent = subprocess.Popen(
