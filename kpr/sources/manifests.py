@@ -18,7 +18,6 @@ from typing import Any
 
 import yaml
 
-from kpr.gcpause import paused_gc
 from kpr.model import EndpointSlice, ObjectRef, Problem, Service, Snapshot
 from kpr.objects import ObjectError, parse_object
 
@@ -85,10 +84,6 @@ class ManifestSource:
 
     def poll(self) -> Snapshot | None:
         """A new Snapshot on the first call and after any change; None when nothing changed."""
-        with paused_gc():
-            return self._poll()
-
-    def _poll(self) -> Snapshot | None:
         stamps = self._scan()
         if self._polled and stamps == self._stamps:
             return None
