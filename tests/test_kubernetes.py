@@ -229,3 +229,24 @@ def test_metrics_and_health_follow_syncs(lab, api, agent):
     status, _ = agent.get(agent.healthz, "/livez")
     assert status == 200
     assert agent.metric('kubeproxy_proxy_healthz_total{code="200"}') >= 1
+
+
+def test_topology_hints_follow_the_zone_of_this_node(lab, api, agent):
+    api.create(
+        {
+            "apiVersion": "v1",
+            "kind": "Node",
+            "metadata": {"name": "node-1", "labels": {"topology.kubernetes.io/zone": "zone-a"}},
+        }
+    )
+    agent.start()
+    echo(api, lab)
+    slice_ = api.get("EndpointSlice", "default", "echo-abc")
+    for endpoint, zone in zip(slice_["endpoints"], ("zone-a", "zone-b", "zone-a"), strict=True):
+        endpoint["hints"] = {"forZones": [{"name": zone}]}
+    api.update(slice_)
+    eventually(lambda: reached(lab, 40) == pods(lab, 0, 2))
+    node = api.get("Node", None, "node-1")
+    node["metadata"]["labels"]["topology.kubernetes.io/zone"] = "zone-b"
+    api.update(node)
+    eventually(lambda: reached(lab, 40) == pods(lab, 1))
