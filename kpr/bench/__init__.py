@@ -1,0 +1,1 @@
+"""`kpr bench`: kpr side by side with kube-proxy's iptables and nftables modes."""
