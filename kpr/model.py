@@ -11,7 +11,6 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from ipaddress import IPv4Address, IPv6Address
-from operator import attrgetter
 
 IPAddress = IPv4Address | IPv6Address
 
@@ -111,9 +110,11 @@ class NodeContext:
 
 
 # Frontends and backends are hashed and sorted by the hundred thousand: each
-# keeps a tuple key that orders them (IPv4 before IPv6, then numerically; the
-# ipaddress classes refuse to compare across families) and hashes cheaply.
-by_key = attrgetter("key")
+# keeps its hash (ipaddress hashes slowly), and sorts by `sort_key` (IPv4
+# before IPv6, then numerically; the ipaddress classes refuse to compare
+# across families).
+def by_key(item: Frontend | Backend) -> tuple:
+    return item.sort_key()
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -123,20 +124,26 @@ class Frontend:
     address: IPAddress
     port: int
     protocol: str  # "TCP" | "UDP"
-    key: tuple = field(init=False, repr=False)
+    _hash: int = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
-        key = (self.address.version, int(self.address), self.port, self.protocol)
-        object.__setattr__(self, "key", key)
+        object.__setattr__(self, "_hash", hash((int(self.address), self.port, self.protocol)))
+
+    def sort_key(self) -> tuple:
+        return (self.address.version, int(self.address), self.port, self.protocol)
 
     def __hash__(self) -> int:
-        return hash(self.key)
+        return self._hash
 
     def __eq__(self, other: object) -> bool:
-        return isinstance(other, Frontend) and self.key == other.key
+        return (
+            isinstance(other, Frontend)
+            and self._hash == other._hash
+            and self.sort_key() == other.sort_key()
+        )
 
     def __lt__(self, other: Frontend) -> bool:
-        return self.key < other.key
+        return self.sort_key() < other.sort_key()
 
     @property
     def family(self) -> int:
@@ -151,19 +158,26 @@ class Frontend:
 class Backend:
     address: IPAddress
     port: int
-    key: tuple = field(init=False, repr=False)
+    _hash: int = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "key", (self.address.version, int(self.address), self.port))
+        object.__setattr__(self, "_hash", hash((int(self.address), self.port)))
+
+    def sort_key(self) -> tuple:
+        return (self.address.version, int(self.address), self.port)
 
     def __hash__(self) -> int:
-        return hash(self.key)
+        return self._hash
 
     def __eq__(self, other: object) -> bool:
-        return isinstance(other, Backend) and self.key == other.key
+        return (
+            isinstance(other, Backend)
+            and self._hash == other._hash
+            and self.sort_key() == other.sort_key()
+        )
 
     def __lt__(self, other: Backend) -> bool:
-        return self.key < other.key
+        return self.sort_key() < other.sort_key()
 
     def __str__(self) -> str:
         host = f"[{self.address}]" if self.address.version == 6 else str(self.address)

@@ -23,6 +23,20 @@ def path_for(pin_dir: Path) -> Path:
     return RUN_DIR / (str(pin_dir.resolve()).strip("/").replace("/", "-") + ".json")
 
 
+def desired_path(pin_dir: Path) -> Path:
+    """What the agent wants, in a file of its own: large (a line per backend),
+    written only when it changes, never kept in the agent's memory."""
+    return path_for(pin_dir).with_suffix(".desired.json")
+
+
+def _write_atomically(path: Path, content: object) -> None:
+    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    with tmp.open("w") as out:
+        json.dump(content, out, separators=(",", ":"))
+    tmp.replace(path)
+
+
 @dataclass
 class RunState:
     pin_dir: str
@@ -31,7 +45,6 @@ class RunState:
     pid: int = field(default_factory=os.getpid)
     started: float = field(default_factory=time.time)
     last_sync: float | None = None
-    desired: dict[str, dict] = field(default_factory=dict)  # str(frontend) -> state
     held: list[str] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)
     failed: list[str] = field(default_factory=list)
@@ -47,17 +60,14 @@ class RunState:
         synced_at: float,
     ) -> None:
         self.last_sync = synced_at
-        self.desired = {str(f): _state(s) for f, s in sorted(translation.frontends.items())}
+        desired = {str(f): _state(s) for f, s in sorted(translation.frontends.items())}
+        _write_atomically(desired_path(Path(self.pin_dir)), desired)
         self.held = sorted(str(f) for f in translation.held)
         self.problems = [str(p) for p in problems]
         self.failed = sorted(str(f) for f in failed)
 
     def save(self) -> None:
-        path = path_for(Path(self.pin_dir))
-        path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(asdict(self), indent=1))
-        tmp.replace(path)
+        _write_atomically(path_for(Path(self.pin_dir)), asdict(self))
 
 
 def _state(state: FrontendState) -> dict:
@@ -74,6 +84,14 @@ def load(pin_dir: Path) -> RunState | None:
         return RunState(**json.loads(path.read_text()))
     except (FileNotFoundError, json.JSONDecodeError, TypeError):
         return None
+
+
+def load_desired(pin_dir: Path) -> dict[str, dict]:
+    """str(frontend) -> {service, backends, affinity_timeout}, as last recorded."""
+    try:
+        return json.loads(desired_path(pin_dir).read_text())
+    except (FileNotFoundError, json.JSONDecodeError):
+        return {}
 
 
 def wait_synced(
@@ -93,3 +111,4 @@ def wait_synced(
 
 def remove(pin_dir: Path) -> None:
     path_for(pin_dir).unlink(missing_ok=True)
+    desired_path(pin_dir).unlink(missing_ok=True)

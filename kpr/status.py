@@ -58,7 +58,7 @@ def report(pin_dir: Path) -> dict:
         maps.close()
     view = programmed_view(programmed)
     state = runstate.load(pin_dir)
-    desired = state.desired if state else {}
+    desired = runstate.load_desired(pin_dir) if state else {}
     ids = {str(f): s.service_id for f, s in programmed.services.items()}
     services = []
     for frontend in sorted(view):

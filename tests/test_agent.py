@@ -284,3 +284,18 @@ def test_a_missing_source_directory_is_named(tmp_path, pin_dir, cgroup):
     out = run_kpr("run", "--source", str(missing), "--cgroup", str(cgroup), "--bpffs", str(pin_dir))
     assert out.returncode == 2
     assert str(missing) in out.stderr
+
+
+def test_a_config_that_does_not_parse_is_refused_naming_the_field(tmp_path):
+    if os.geteuid() != 0:
+        pytest.skip("kpr run checks for root first")
+    config = tmp_path / "kube-proxy.yaml"
+    config.write_text(
+        "apiVersion: kubeproxy.config.k8s.io/v1alpha1\n"
+        "kind: KubeProxyConfiguration\n"
+        "iptables:\n  syncPeriod: 3x\n"
+    )
+    out = run_kpr("run", "--source", str(tmp_path), "--config", str(config))
+    assert out.returncode == 2
+    assert "iptables.syncPeriod" in out.stderr and "3x" in out.stderr
+    assert "Traceback" not in out.stderr
