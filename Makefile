@@ -16,6 +16,7 @@ demo: setup
 	$(VENV)/bin/kpr demo
 
 test: setup
+	command -v shellcheck >/dev/null && command -v ruby >/dev/null || { apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends shellcheck ruby; }
 	$(PYTHON) -m pytest -q
 
 lint: setup

@@ -1,0 +1,22 @@
+#!/bin/sh
+# Build the kpr image from deploy/Dockerfile on this node and import it into containerd's
+# k8s.io namespace, where the kubelet finds it: there is no registry image of kpr. buildah
+# builds without a daemon; the DaemonSet (vagrant/kustomize) uses localhost/kpr:dev with
+# imagePullPolicy IfNotPresent. Idempotent (layers are cached); re-run after `vagrant rsync`
+# with `vagrant provision --provision-with kpr-image`.
+set -eu
+
+image=localhost/kpr:dev
+archive=/var/tmp/kpr-image.tar
+
+export DEBIAN_FRONTEND=noninteractive
+if ! command -v buildah >/dev/null; then
+	apt-get update -q
+	apt-get install -y -q --no-install-recommends buildah
+fi
+buildah bud --layers -f /kpr/deploy/Dockerfile -t "$image" /kpr
+rm -f "$archive"
+buildah push "$image" "docker-archive:$archive:$image"
+ctr -n k8s.io images import "$archive"
+rm -f "$archive"
+ctr -n k8s.io images ls -q | grep -F "$image"
