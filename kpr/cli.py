@@ -214,5 +214,36 @@ def demo(
         _fail(err)
 
 
+@app.command()
+def bench(
+    services: Annotated[
+        str, typer.Option(help="Service counts to measure at, comma-separated.")
+    ] = "100,1000,10000,30000",
+    endpoints: Annotated[int, typer.Option(help="Endpoints per service.")] = 10,
+    modes: Annotated[
+        str, typer.Option(help="Comma-separated: direct,iptables,iptables-legacy,nftables,kpr.")
+    ] = "direct,iptables,iptables-legacy,nftables,kpr",
+    json_path: Annotated[
+        Path | None, typer.Option("--json", help="Also write every figure here.")
+    ] = None,
+    plot: Annotated[
+        Path | None, typer.Option(help="A PNG of latency and programming time.")
+    ] = None,
+    connections: Annotated[int, typer.Option(help="Connections per measurement.")] = 5000,
+    rounds: Annotated[int, typer.Option(help="Rounds; modes are interleaved in each.")] = 3,
+    stream_mb: Annotated[int, typer.Option(help="MiB sent over the long connection.")] = 1024,
+) -> None:
+    """Benchmark kpr against kube-proxy's iptables and nftables rulesets in a throwaway lab."""
+    from kpr.bench import run as bench_run
+
+    try:
+        cfg = bench_run.config_from_options(
+            services, endpoints, modes, json_path, plot, connections, rounds, stream_mb
+        )
+        sys.exit(bench_run.main(cfg))
+    except (bench_run.BenchError, host.SetupError) as err:
+        _fail(err)
+
+
 if __name__ == "__main__":
     app()

@@ -1,0 +1,1205 @@
+"""`kpr bench`: kpr against kube-proxy's iptables and nftables modes, on this machine, in one run.
+
+For each service count N, every mode is programmed from the same N services × M endpoints in
+a throwaway network-namespace lab (kpr.lab.netns.Lab: a node netns, M pods, a client cgroup):
+
+- ``direct``: clients connect straight to the pods, the physical limit;
+- ``iptables`` / ``iptables-legacy``: kube-proxy's nat table (kpr.bench.kubeproxy_rules)
+  loaded with ``iptables-restore`` (nf_tables back end) / ``iptables-legacy-restore`` in the
+  node netns, hooked from nat OUTPUT as kube-proxy hooks it;
+- ``nftables``: kube-proxy's ``ip kube-proxy`` table loaded with ``nft -f`` in the node netns;
+- ``kpr``: the real agent (kpr.agent.Agent over a ManifestSource) compiling, attaching to the
+  lab's cgroup and writing the real pinned maps.
+
+A few services ("real" ones, spread evenly through the list so a linear rule scan meets them
+half way on average) have the pods as endpoints; the rest point at addresses nothing listens on.
+Per mode and N: connect latency p50/p99 (kpr.lab.latency's C client), short-connection rate
+(connect, 1-byte request, 1-byte answer, close) and one connection's streaming throughput (a
+small C tool built here, with its own servers in the pods), full programming time, the time
+one endpoint change takes to apply as that proxy applies it, and memory. Every datapath figure
+is divided by a ``direct`` measurement taken just before it, in the same lab.
+
+Noise: the machine is shared. Each round builds a fresh lab and runs the modes in a rotated
+order; medians over rounds are reported. ``iptables-legacy`` always runs last in a round: a
+legacy nat table cannot be removed from a network namespace (only flushed), and it keeps
+conntrack on, which would tax every mode measured after it; the round's lab is thrown away.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import itertools
+import json
+import logging
+import os
+import platform
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from ipaddress import IPv4Address, IPv4Network
+from pathlib import Path
+
+import yaml
+
+from kpr import host, runstate
+from kpr.bench import kubeproxy_rules as rules
+from kpr.bench.kubeproxy_rules import ServicePort
+from kpr.lab.latency import measure
+from kpr.lab.netns import Lab
+
+MODES = ("direct", "iptables", "iptables-legacy", "nftables", "kpr")
+DEFAULT_SIZES = (100, 1000, 10000, 30000)
+
+NAMESPACE = "bench"
+VIP_NET = IPv4Network("10.96.0.0/12")  # the service CIDR
+VIP_FIRST = 16
+FAKE_NET = IPv4Network("10.128.0.0/9")  # endpoints nothing listens on
+CLUSTER_CIDR = "10.244.0.0/16"  # the lab's pods and node bridge are inside: no masquerade
+POD_PORTS = {"http": (80, 8080), "rr": (81, 9090), "sink": (82, 9091)}  # name: (port, target)
+REAL_SERVICES = 8  # services whose endpoints are the lab's pods
+MAX_PODS = 200  # the lab's /24 holds 244; each pod is a netns and three servers
+SERVICES_PER_FILE = 100  # kpr's manifests: a change re-reads one file of this many services
+PROBE_TIMEOUT_MS = 300
+
+log = logging.getLogger("kpr.bench")
+
+
+class BenchError(ValueError):
+    """Bad input: told to the user in one line."""
+
+
+class ModeFailed(RuntimeError):
+    """A mode could not be set up here; it is skipped with this reason."""
+
+
+@dataclass
+class BenchConfig:
+    sizes: list[int] = field(default_factory=lambda: list(DEFAULT_SIZES))
+    endpoints: int = 10
+    modes: list[str] = field(default_factory=lambda: list(MODES))
+    connections: int = 5000
+    rounds: int = 3
+    stream_mb: int = 1024
+    json_path: Path | None = None
+    plot_path: Path | None = None
+
+    def validate(self) -> None:
+        if not self.sizes:
+            raise BenchError("--services: give at least one service count")
+        if any(n < 1 for n in self.sizes):
+            raise BenchError(f"--services: every count must be at least 1 (got {self.sizes})")
+        if self.endpoints < 1:
+            raise BenchError("--endpoints must be at least 1")
+        if self.endpoints > MAX_PODS:
+            raise BenchError(
+                f"--endpoints {self.endpoints}: more endpoints than the lab has pod addresses "
+                f"for (at most {MAX_PODS})"
+            )
+        most = max(self.sizes)
+        if most > VIP_NET.num_addresses - VIP_FIRST - 1:
+            raise BenchError(f"--services {most}: more services than the service CIDR {VIP_NET}")
+        if most * self.endpoints + self.endpoints > FAKE_NET.num_addresses:
+            raise BenchError(
+                f"{most} services × {self.endpoints} endpoints: more endpoints than the "
+                f"{FAKE_NET.num_addresses} addresses available in {FAKE_NET}"
+            )
+        unknown = [m for m in self.modes if m not in MODES]
+        if unknown or not self.modes:
+            raise BenchError(f"--modes: unknown {unknown or 'none given'}; choose from {MODES}")
+        if self.connections < 1 or self.rounds < 1 or self.stream_mb < 1:
+            raise BenchError("--connections, --rounds and --stream-mb must be at least 1")
+
+
+# --- the service set --------------------------------------------------------------------------
+
+
+@dataclass
+class ServiceSet:
+    ports: list[ServicePort]  # every service port, in kube-proxy's (here: list) order
+    real: list[int]  # indices of the services backed by pods
+    size: int
+
+    def real_targets(self, port_name: str) -> list[tuple[str, int]]:
+        port = POD_PORTS[port_name][0]
+        return [(str(VIP_NET[VIP_FIRST + i]), port) for i in self.real]
+
+
+def real_positions(size: int) -> list[int]:
+    """Evenly spread: with rules scanned in order, the real ones sit at every depth."""
+    count = min(size, REAL_SERVICES)
+    return sorted({min(size - 1, int((k + 0.5) * size / count)) for k in range(count)})
+
+
+def build_services(size: int, endpoints: int, pod_ips: Sequence[str]) -> ServiceSet:
+    if len(pod_ips) < endpoints:
+        raise BenchError(f"{endpoints} endpoints but only {len(pod_ips)} pod addresses")
+    real = real_positions(size)
+    real_set = set(real)
+    ports: list[ServicePort] = []
+    for i in range(size):
+        vip = str(VIP_NET[VIP_FIRST + i])
+        name = f"svc-{i}"
+        if i in real_set:
+            for port_name, (port, target) in POD_PORTS.items():
+                eps = tuple((ip, target) for ip in pod_ips[:endpoints])
+                ports.append(ServicePort(NAMESPACE, name, port_name, "TCP", vip, port, eps))
+        else:
+            first = i * endpoints
+            eps = tuple((str(FAKE_NET[first + j]), 8080) for j in range(endpoints))
+            ports.append(ServicePort(NAMESPACE, name, "http", "TCP", vip, 80, eps))
+    return ServiceSet(ports, real, size)
+
+
+def changed_service(services: ServiceSet, endpoints: int) -> dict[int, ServicePort]:
+    """The same change for every mode: the first endpoint of one service (all its ports) is
+    replaced by a new address. A service nothing connects to when there is one. Returns the
+    new version of each changed port by its index."""
+    middle = len(services.ports) // 2
+    index = next(
+        (
+            i
+            for i in range(middle, len(services.ports))
+            if IPv4Address(services.ports[i].endpoints[0][0]) in FAKE_NET
+        ),
+        middle,  # every service is a real one: change one of those, after measuring
+    )
+    name = services.ports[index].name
+    new_ip = str(FAKE_NET[services.size * endpoints])  # past every address in use
+    changed = {}
+    for i, old in enumerate(services.ports):
+        if old.name == name:
+            changed[i] = ServicePort(
+                old.namespace,
+                old.name,
+                old.port_name,
+                old.protocol,
+                old.cluster_ip,
+                old.port,
+                ((new_ip, old.endpoints[0][1]), *old.endpoints[1:]),
+            )
+    return changed
+
+
+def _manifest_docs(group: list[ServicePort]) -> list[dict]:
+    first = group[0]
+    service = {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": {"name": first.name, "namespace": first.namespace},
+        "spec": {
+            "clusterIP": first.cluster_ip,
+            "clusterIPs": [first.cluster_ip],
+            "ports": [
+                {
+                    "name": sp.port_name,
+                    "port": sp.port,
+                    "protocol": sp.protocol,
+                    "targetPort": sp.endpoints[0][1],
+                }  # fmt: skip
+                for sp in group
+            ],
+        },
+    }
+    # One slice: every port of a service here has the same endpoint addresses.
+    slice_ = {
+        "apiVersion": "discovery.k8s.io/v1",
+        "kind": "EndpointSlice",
+        "metadata": {
+            "name": f"{first.name}-bench",
+            "namespace": first.namespace,
+            "labels": {"kubernetes.io/service-name": first.name},
+        },
+        "addressType": "IPv4",
+        "ports": [
+            {"name": sp.port_name, "port": sp.endpoints[0][1], "protocol": sp.protocol}
+            for sp in group
+        ],
+        "endpoints": [
+            {"addresses": [ip], "conditions": {"ready": True}} for ip, _ in first.endpoints
+        ],
+    }
+    return [service, slice_]
+
+
+def write_manifests(directory: Path, ports: Sequence[ServicePort]) -> dict[str, str]:
+    """kubectl-shaped YAML, SERVICES_PER_FILE services a file; returns file name by service."""
+    groups: dict[str, list[ServicePort]] = {}
+    for sp in ports:
+        groups.setdefault(sp.name, []).append(sp)
+    dumper = getattr(yaml, "CSafeDumper", yaml.SafeDumper)
+    file_of: dict[str, str] = {}
+    names = list(groups)
+    for chunk in range(0, len(names), SERVICES_PER_FILE):
+        file_name = f"services-{chunk // SERVICES_PER_FILE:05d}.yaml"
+        docs = []
+        for name in names[chunk : chunk + SERVICES_PER_FILE]:
+            docs += _manifest_docs(groups[name])
+            file_of[name] = file_name
+        (directory / file_name).write_text(yaml.dump_all(docs, Dumper=dumper))
+    return file_of
+
+
+def rewrite_manifest(directory: Path, file_name: str, ports: Sequence[ServicePort]) -> None:
+    """Write one file again from ``ports`` (all services), as an operator's edit would."""
+    groups: dict[str, list[ServicePort]] = {}
+    for sp in ports:
+        groups.setdefault(sp.name, []).append(sp)
+    docs = []
+    for _name, group in groups.items():
+        docs += _manifest_docs(group)
+    dumper = getattr(yaml, "CSafeDumper", yaml.SafeDumper)
+    path = directory / file_name
+    tmp = path.with_name(f".{file_name}.tmp")  # hidden: the source skips it
+    tmp.write_text(yaml.dump_all(docs, Dumper=dumper))
+    tmp.replace(path)
+
+
+# --- the load tool: servers in the pods, clients in the node netns ---------------------------
+
+LOADGEN_C = r"""
+// kpr bench load tool.
+//   serve-rr PORT TAG       per connection: read 1 byte, answer the byte TAG, wait for close
+//   serve-sink PORT         per connection: read to EOF, answer 1 byte, close
+//   rr COUNT ADDR PORT ...  COUNT request/answer connections round robin; RST close; JSON
+//   stream BYTES ADDR PORT  one connection sending BYTES, then waiting for the answer; JSON
+//   probe MS ADDR PORT      does a connect succeed within MS milliseconds? JSON
+//   maxrss ARGV...          run ARGV (stdout to /dev/null); its exit code, CPU, peak RSS; JSON
+#define _GNU_SOURCE
+#include <arpa/inet.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <netinet/in.h>
+#include <poll.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/resource.h>
+#include <sys/socket.h>
+#include <sys/time.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
+static double now_s(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + (double)ts.tv_nsec / 1e9;
+}
+
+static int parse(const char *host, const char *port, struct sockaddr_in *sa)
+{
+    long p = strtol(port, NULL, 10);
+    memset(sa, 0, sizeof(*sa));
+    sa->sin_family = AF_INET;
+    if (p <= 0 || p > 65535 || inet_pton(AF_INET, host, &sa->sin_addr) != 1)
+        return -1;
+    sa->sin_port = htons((uint16_t)p);
+    return 0;
+}
+
+static void timeouts(int fd)
+{
+    struct timeval tv = { .tv_sec = 5 };
+    setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
+    setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof(tv));
+}
+
+static void reset_close(int fd)
+{
+    struct linger l = { .l_onoff = 1, .l_linger = 0 }; // RST: no TIME_WAIT pile-up
+    setsockopt(fd, SOL_SOCKET, SO_LINGER, &l, sizeof(l));
+    close(fd);
+}
+
+static int listener(const char *port)
+{
+    struct sockaddr_in sa;
+    int one = 1, fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    if (fd < 0 || parse("0.0.0.0", port, &sa) < 0)
+        return -1;
+    setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
+    if (bind(fd, (struct sockaddr *)&sa, sizeof(sa)) < 0 || listen(fd, 4096) < 0)
+        return -1;
+    return fd;
+}
+
+static int serve(const char *port, int sink, unsigned char tag)
+{
+    static char buf[1 << 17];
+    int lfd = listener(port);
+    if (lfd < 0) {
+        perror("listen");
+        return 1;
+    }
+    for (;;) {
+        int fd = accept4(lfd, NULL, NULL, SOCK_CLOEXEC);
+        ssize_t n;
+        if (fd < 0)
+            continue;
+        timeouts(fd);
+        if (sink) {
+            while ((n = read(fd, buf, sizeof(buf))) > 0)
+                ;
+            if (n == 0 && write(fd, "k", 1) != 1)
+                perror("write");
+        } else if (read(fd, buf, 1) == 1 && write(fd, &tag, 1) == 1) {
+            while (read(fd, buf, sizeof(buf)) > 0) // until the client closes
+                ;
+        }
+        close(fd);
+    }
+}
+
+static int rr(long count, int n, const struct sockaddr_in *t)
+{
+    long ok = 0, backends[256] = { 0 };
+    int first_error = 0, first = 1;
+    double start = now_s(), secs;
+    for (long i = 0; i < count; i++) {
+        unsigned char c;
+        int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+        if (fd < 0) {
+            first_error = first_error ? first_error : errno;
+            continue;
+        }
+        timeouts(fd);
+        if (connect(fd, (const struct sockaddr *)&t[i % n], sizeof(t[0])) == 0 &&
+            write(fd, "q", 1) == 1 && read(fd, &c, 1) == 1) {
+            ok++;
+            backends[c]++;
+        } else if (!first_error) {
+            first_error = errno ? errno : EPIPE;
+        }
+        reset_close(fd);
+    }
+    secs = now_s() - start;
+    printf("{\"count\": %ld, \"ok\": %ld, \"failures\": %ld, \"error\": \"%s\", "
+           "\"seconds\": %.6f, \"rate\": %.1f, \"backends\": {",
+           count, ok, count - ok, first_error ? strerrorname_np(first_error) : "", secs,
+           secs > 0 ? (double)ok / secs : 0.0);
+    for (int b = 0; b < 256; b++) {
+        if (!backends[b])
+            continue;
+        printf("%s\"%d\": %ld", first ? "" : ", ", b, backends[b]);
+        first = 0;
+    }
+    printf("}}\n");
+    return 0;
+}
+
+static int stream(long long bytes, const struct sockaddr_in *t)
+{
+    static char buf[1 << 17];
+    long long left = bytes;
+    double start = now_s(), secs;
+    char c;
+    int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    if (fd < 0)
+        goto fail;
+    timeouts(fd);
+    if (connect(fd, (const struct sockaddr *)t, sizeof(*t)) < 0)
+        goto fail;
+    while (left > 0) {
+        ssize_t n = write(fd, buf, left < (long long)sizeof(buf) ? (size_t)left : sizeof(buf));
+        if (n <= 0)
+            goto fail;
+        left -= n;
+    }
+    shutdown(fd, SHUT_WR);
+    if (read(fd, &c, 1) != 1)
+        goto fail;
+    secs = now_s() - start;
+    close(fd);
+    printf("{\"ok\": true, \"bytes\": %lld, \"seconds\": %.6f, \"gbit_s\": %.4f}\n", bytes, secs,
+           (double)bytes * 8 / secs / 1e9);
+    return 0;
+fail:
+    printf("{\"ok\": false, \"error\": \"%s\"}\n", strerrorname_np(errno) ?: "?");
+    return 0;
+}
+
+static int probe(int ms, const struct sockaddr_in *t)
+{
+    struct pollfd p = { .events = POLLOUT };
+    int err = 0, rc;
+    socklen_t len = sizeof(err);
+    p.fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
+    rc = connect(p.fd, (const struct sockaddr *)t, sizeof(*t));
+    if (rc < 0 && errno == EINPROGRESS) {
+        rc = poll(&p, 1, ms);
+        if (rc == 1) {
+            getsockopt(p.fd, SOL_SOCKET, SO_ERROR, &err, &len);
+            rc = err ? -1 : 0;
+            errno = err;
+        } else {
+            rc = -1;
+            errno = ETIMEDOUT;
+        }
+    }
+    printf("{\"connected\": %s, \"error\": \"%s\"}\n", rc == 0 ? "true" : "false",
+           rc == 0 ? "" : strerrorname_np(errno) ?: "?");
+    reset_close(p.fd);
+    return 0;
+}
+
+// A child forked from this small process: its peak RSS is its own, not a big parent's
+// (ru_maxrss carries the parent's high-water mark over fork and exec).
+static int maxrss(char **argv)
+{
+    struct rusage ru;
+    int status, devnull;
+    pid_t pid = fork();
+    if (pid == 0) {
+        devnull = open("/dev/null", O_WRONLY);
+        dup2(devnull, 1);
+        execvp(argv[0], argv);
+        _exit(127);
+    }
+    if (pid < 0 || wait4(pid, &status, 0, &ru) < 0)
+        return 1;
+    printf("{\"exit\": %d, \"cpu_s\": %.6f, \"maxrss_kb\": %ld}\n",
+           WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status),
+           (double)ru.ru_utime.tv_sec + (double)ru.ru_utime.tv_usec / 1e6 +
+               (double)ru.ru_stime.tv_sec + (double)ru.ru_stime.tv_usec / 1e6,
+           ru.ru_maxrss);
+    return 0;
+}
+
+int main(int argc, char **argv)
+{
+    struct sockaddr_in t[64];
+    int n = 0;
+    if (argc >= 3 && !strcmp(argv[1], "maxrss"))
+        return maxrss(argv + 2);
+    if (argc >= 4 && !strcmp(argv[1], "serve-rr"))
+        return serve(argv[2], 0, (unsigned char)atoi(argv[3]));
+    if (argc >= 3 && !strcmp(argv[1], "serve-sink"))
+        return serve(argv[2], 1, 0);
+    if (argc < 5 || (argc - 3) % 2 != 0)
+        goto usage;
+    for (int i = 3; i + 1 < argc && n < 64; i += 2)
+        if (parse(argv[i], argv[i + 1], &t[n++]) < 0)
+            goto usage;
+    if (!strcmp(argv[1], "rr"))
+        return rr(atol(argv[2]), n, t);
+    if (!strcmp(argv[1], "stream"))
+        return stream(atoll(argv[2]), t);
+    if (!strcmp(argv[1], "probe"))
+        return probe(atoi(argv[2]), t);
+usage:
+    fprintf(stderr, "usage: serve-rr PORT TAG | serve-sink PORT | rr COUNT ADDR PORT... | "
+            "stream BYTES ADDR PORT | probe MS ADDR PORT\n");
+    return 2;
+}
+"""
+
+
+def build_loadgen() -> Path:
+    """Compile LOADGEN_C unless a binary of this exact source is cached."""
+    digest = hashlib.sha256(LOADGEN_C.encode()).hexdigest()[:16]
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    binary = Path(base) / "kpr" / f"bench-loadgen-{digest}"
+    if binary.exists():
+        return binary
+    binary.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=binary.parent) as build_dir:
+        source = Path(build_dir) / "loadgen.c"
+        source.write_text(LOADGEN_C)
+        built = Path(build_dir) / binary.name
+        done = subprocess.run(
+            ["gcc", "-O2", "-Wall", "-Wextra", "-Werror", "-o", str(built), str(source)],
+            capture_output=True,
+            text=True,
+            check=False,
+        )
+        if done.returncode != 0:
+            raise RuntimeError(f"building the bench load tool failed:\n{done.stderr}")
+        os.replace(built, binary)  # atomic: concurrent builders never see half a file
+    return binary
+
+
+class BenchLab:
+    """A Lab plus this benchmark's servers in every pod and a route to the service CIDR."""
+
+    def __init__(self, endpoints: int, tool: Path) -> None:
+        self.tool = tool
+        self.servers: list[subprocess.Popen] = []
+        self.dirty = False  # a legacy nat table was loaded: do not reuse this lab
+        self.lab = Lab(pods=endpoints, prefix="kprbench")
+        try:
+            # The NAT modes need a route for a ClusterIP to get as far as nat OUTPUT; kpr
+            # rewrites before routing and direct never uses it.
+            _run(["ip", "-n", self.lab.node_netns, "route", "add", str(VIP_NET), "dev", "br0"])
+            for index, pod in enumerate(self.lab.pods):
+                for argv in (["serve-rr", "9090", str(index)], ["serve-sink", "9091"]):
+                    self.servers.append(
+                        subprocess.Popen(
+                            ["ip", "netns", "exec", pod.netns, str(tool), *argv],
+                            stdin=subprocess.DEVNULL,
+                            stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL,
+                            start_new_session=True,  # ^C is ours to handle, then we stop them
+                        )
+                    )
+            self._wait_servers()
+        except BaseException:
+            self.close()
+            raise
+
+    @property
+    def pod_ips(self) -> list[str]:
+        return [str(p.ipv4) for p in self.lab.pods]
+
+    def direct_targets(self, port_name: str) -> list[tuple[str, int]]:
+        return [(ip, POD_PORTS[port_name][1]) for ip in self.pod_ips]
+
+    def _wait_servers(self) -> None:
+        deadline = time.monotonic() + 10
+        while True:
+            result = self.client(["rr", str(len(self.pod_ips)), *_flat(self.direct_targets("rr"))])
+            if result["ok"] == result["count"]:
+                return
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"bench servers in the pods did not answer: {result}")
+            time.sleep(0.05)
+
+    def client(self, argv: list[str], timeout: float = 600) -> dict:
+        done = self.lab.run_client([str(self.tool), *argv], timeout=timeout)
+        if done.returncode != 0:
+            raise RuntimeError(f"load tool {argv[0]} failed: {done.stderr.strip()}")
+        return json.loads(done.stdout)
+
+    def node(self, argv: list[str], stdin: str | None = None) -> subprocess.CompletedProcess:
+        """``argv`` in the node netns (where the NAT modes' rules live), not in the cgroup."""
+        return subprocess.run(
+            self.lab.node_command(argv), input=stdin, capture_output=True, text=True, check=False
+        )
+
+    def close(self) -> None:
+        for server in self.servers:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(server.pid, signal.SIGKILL)
+            server.wait()
+        self.servers.clear()
+        self.lab.close()
+
+
+def _flat(targets: Sequence[tuple[str, int]]) -> list[str]:
+    return [str(x) for target in targets for x in target]
+
+
+def _run(argv: list[str]) -> str:
+    done = subprocess.run(argv, capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        raise RuntimeError(f"{' '.join(argv)} failed: {done.stderr.strip()}")
+    return done.stdout
+
+
+def timed_child(tool: Path, argv: list[str], stdin: str) -> dict:
+    """Run ``argv`` with ``stdin`` under the load tool's ``maxrss``: wall time, CPU and peak
+    RSS of that one command."""
+    with tempfile.TemporaryFile("w+") as err:
+        started = time.perf_counter()
+        done = subprocess.run(
+            [str(tool), "maxrss", *argv],
+            input=stdin,
+            stdout=subprocess.PIPE,
+            stderr=err,
+            text=True,
+            check=False,
+        )
+        seconds = time.perf_counter() - started
+        err.seek(0)
+        usage = json.loads(done.stdout) if done.returncode == 0 else {"exit": done.returncode}
+        if usage["exit"] != 0:
+            raise ModeFailed(f"{' '.join(argv[-3:])} exited {usage['exit']}: {err.read()[:500]}")
+    return {"seconds": seconds, "cpu_s": usage["cpu_s"], "peak_rss_mb": usage["maxrss_kb"] / 1024}
+
+
+# --- modes ------------------------------------------------------------------------------------
+
+
+class Mode:
+    name = ""
+
+    def missing(self) -> str | None:
+        """Why this machine cannot run the mode; None when it can."""
+        return None
+
+    def program(self, bl: BenchLab, services: ServiceSet) -> dict:
+        return {}
+
+    def change(self, bl: BenchLab, services: ServiceSet, changed: dict[int, ServicePort]) -> dict:
+        return {}
+
+    def memory(self, bl: BenchLab, services: ServiceSet) -> dict:
+        return {}
+
+    def cleanup(self, bl: BenchLab) -> None:
+        pass
+
+    def targets(self, bl: BenchLab, services: ServiceSet, port_name: str) -> list:
+        return services.real_targets(port_name)
+
+
+class Direct(Mode):
+    name = "direct"
+
+    def targets(self, bl: BenchLab, services: ServiceSet, port_name: str) -> list:
+        return bl.direct_targets(port_name)
+
+
+class Iptables(Mode):
+    def __init__(self, name: str, restore: str, command: str) -> None:
+        self.name = name
+        self.restore = restore
+        self.command = command
+
+    def missing(self) -> str | None:
+        for tool in (self.restore, self.command):
+            if shutil.which(tool) is None:
+                return f"{tool} not installed"
+        return None
+
+    def program(self, bl: BenchLab, services: ServiceSet) -> dict:
+        text = rules.iptables_restore(services.ports, CLUSTER_CIDR)
+        if self.name == "iptables-legacy":
+            bl.dirty = True  # from here on the lab's netns has a legacy nat table
+        run = timed_child(bl.tool, bl.lab.node_command([self.restore, "--noflush"]), text)
+        return {
+            "program_s": run["seconds"],
+            "program_cpu_s": run["cpu_s"],
+            "restore_peak_rss_mb": run["peak_rss_mb"],
+            "rules": text.count("\n-A "),
+        }
+
+    def change(self, bl: BenchLab, services: ServiceSet, changed: dict[int, ServicePort]) -> dict:
+        ports = [changed.get(i, sp) for i, sp in enumerate(services.ports)]
+        text = rules.iptables_partial(ports, list(changed.values()), CLUSTER_CIDR)
+        run = timed_child(bl.tool, bl.lab.node_command([self.restore, "--noflush"]), text)
+        return {"change_s": run["seconds"]}
+
+    def cleanup(self, bl: BenchLab) -> None:
+        for argv in ([self.command, "-t", "nat", "-F"], [self.command, "-t", "nat", "-X"]):
+            done = bl.node(argv)
+            if done.returncode != 0:
+                raise RuntimeError(f"{' '.join(argv)}: {done.stderr.strip()}")
+        if self.name == "iptables":
+            # the nf_tables back end leaves an empty `ip nat` table with base chains, which
+            # keep conntrack on; remove it (our node netns only)
+            bl.node(["nft", "delete", "table", "ip", "nat"])
+
+
+class Nftables(Mode):
+    name = "nftables"
+
+    def missing(self) -> str | None:
+        return None if shutil.which("nft") else "nft not installed"
+
+    def program(self, bl: BenchLab, services: ServiceSet) -> dict:
+        text = rules.nft_ruleset(
+            services.ports, CLUSTER_CIDR, str(VIP_NET), [str(bl.lab.node_ipv4)]
+        )
+        run = timed_child(bl.tool, bl.lab.node_command(["nft", "-f", "-"]), text)
+        return {"program_s": run["seconds"], "program_cpu_s": run["cpu_s"],
+                "restore_peak_rss_mb": run["peak_rss_mb"]}  # fmt: skip
+
+    def change(self, bl: BenchLab, services: ServiceSet, changed: dict[int, ServicePort]) -> dict:
+        text = "".join(
+            rules.nft_partial(services.ports[i], new, CLUSTER_CIDR) for i, new in changed.items()
+        )
+        run = timed_child(bl.tool, bl.lab.node_command(["nft", "-f", "-"]), text)
+        return {"change_s": run["seconds"]}
+
+    def cleanup(self, bl: BenchLab) -> None:
+        done = bl.node(["nft", "delete", "table", "ip", "kube-proxy"])
+        if done.returncode != 0:
+            raise RuntimeError(f"nft delete table ip kube-proxy: {done.stderr.strip()}")
+
+
+_pin_counter = itertools.count()
+
+
+class Kpr(Mode):
+    """The real agent: Agent.start() compiles and attaches to the lab's cgroup and adopts the
+    pinned maps; Agent.sync() translates, plans and writes them, as `kpr run` does."""
+
+    name = "kpr"
+
+    def __init__(self, manifests: Callable[[], tuple[Path, dict[str, str]]]) -> None:
+        self._manifests = manifests
+        self.agent = None
+        self.pin_dir: Path | None = None
+        self.cgroup: Path | None = None
+
+    def missing(self) -> str | None:
+        try:
+            host.require_root()
+            host.require_bcc()
+            host.require_kernel_headers()
+            host.cgroup2_root()
+        except (host.SetupError, RuntimeError) as err:
+            return str(err).split("\n")[0]
+        return None
+
+    def _new_pin_dir(self) -> Path:
+        path = Path("/sys/fs/bpf") / f"kpr-bench-{os.getpid()}-{next(_pin_counter)}"
+        host.ensure_bpffs(path)
+        return path
+
+    def program(self, bl: BenchLab, services: ServiceSet) -> dict:
+        from kpr.agent import Agent, AgentConfig
+        from kpr.model import NodeContext
+        from kpr.sources.manifests import ManifestSource
+
+        directory, _ = self._manifests()
+        self.pin_dir, self.cgroup = self._new_pin_dir(), bl.lab.cgroup
+        source = ManifestSource(directory)
+        config = AgentConfig(pin_dir=self.pin_dir, cgroup=bl.lab.cgroup,
+                             node=NodeContext("bench-node"))  # fmt: skip
+        self.agent = agent = Agent(source, config)
+        t0 = time.perf_counter()
+        agent.start()
+        t1 = time.perf_counter()
+        snapshot = source.poll()
+        t2 = time.perf_counter()
+        cpu = time.process_time()
+        result = agent.sync(snapshot, full=True)
+        t3 = time.perf_counter()
+        cpu = time.process_time() - cpu
+        if result.failed:
+            raise ModeFailed(f"kpr: {result.failed} frontends failed to program")
+        # the full sync ends by writing the run-state file for `kpr status`; time that part
+        # again on its own so it can be told apart from the map writes
+        t4 = time.perf_counter()
+        agent.state.save()
+        state_s = time.perf_counter() - t4
+        return {"program_s": t3 - t2, "program_cpu_s": cpu, "attach_s": t1 - t0,
+                "manifest_parse_s": t2 - t1, "of_which_state_file_s": state_s,
+                "map_writes": result.writes}  # fmt: skip
+
+    def change(self, bl: BenchLab, services: ServiceSet, changed: dict[int, ServicePort]) -> dict:
+        directory, file_of = self._manifests()
+        assert self.agent is not None
+        file_name = file_of[next(iter(changed.values())).name]
+        in_file = [i for i, sp in enumerate(services.ports) if file_of[sp.name] == file_name]
+        edited = [changed.get(i, services.ports[i]) for i in in_file]
+        in_file = [services.ports[i] for i in in_file]
+        rewrite_manifest(directory, file_name, edited)
+        try:
+            started = time.perf_counter()
+            snapshot = self.agent.source.poll()
+            result = self.agent.sync(snapshot)
+            seconds = time.perf_counter() - started
+        finally:
+            rewrite_manifest(directory, file_name, in_file)
+        if snapshot is None or result.failed or not result.writes:
+            raise ModeFailed("kpr: the endpoint change was not applied")
+        return {"change_s": seconds, "change_map_writes": result.writes}
+
+    def memory(self, bl: BenchLab, services: ServiceSet) -> dict:
+        """`kpr run` as its own process from empty maps to synced: its resident memory."""
+        self.cleanup(bl)
+        directory, _ = self._manifests()
+        self.pin_dir, self.cgroup = self._new_pin_dir(), bl.lab.cgroup
+        argv = [sys.executable, "-m", "kpr.cli", "run", "--source", str(directory),
+                "--cgroup", str(bl.lab.cgroup), "--bpffs", str(self.pin_dir),
+                "--log-level", "warning", "--healthz-bind-address", "",
+                "--metrics-bind-address", ""]  # fmt: skip
+        started = time.time()
+        agent = subprocess.Popen(argv, stdin=subprocess.DEVNULL, env=_repo_env())
+        try:
+            runstate.wait_synced(self.pin_dir, agent, timeout=900)
+            synced = time.time() - started
+            status = Path(f"/proc/{agent.pid}/status").read_text()
+            fields = dict(line.split(":", 1) for line in status.splitlines() if ":" in line)
+            return {
+                "agent_start_to_synced_s": synced,
+                "agent_rss_mb": int(fields["VmRSS"].split()[0]) / 1024,
+                "agent_peak_rss_mb": int(fields["VmHWM"].split()[0]) / 1024,
+            }
+        finally:
+            agent.terminate()
+            try:
+                agent.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                agent.kill()
+                agent.wait()
+
+    def cleanup(self, bl: BenchLab | None) -> None:
+        from kpr.datapath import loader
+
+        if self.agent is not None and self.agent.maps is not None:
+            self.agent.maps.close()
+        self.agent = None
+        if self.cgroup is not None:
+            loader.detach(self.cgroup)
+        if self.pin_dir is not None:
+            loader.unpin_all(self.pin_dir)
+            runstate.remove(self.pin_dir)
+            shutil.rmtree(self.pin_dir, ignore_errors=True)
+        self.pin_dir = None
+
+
+def _repo_env() -> dict[str, str]:
+    env = dict(os.environ)
+    root = str(Path(__file__).resolve().parents[2])
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
+    return env
+
+
+# --- measuring --------------------------------------------------------------------------------
+
+
+def measure_datapath(bl: BenchLab, mode: Mode, services: ServiceSet, cfg: BenchConfig) -> dict:
+    http = mode.targets(bl, services, "http")
+    latency = measure(bl.lab, http, cfg.connections)
+    rr = bl.client(["rr", str(cfg.connections), *_flat(mode.targets(bl, services, "rr"))])
+    sink = mode.targets(bl, services, "sink")[0]
+    stream = bl.client(["stream", str(cfg.stream_mb << 20), *_flat([sink])])
+    return {
+        "connect_p50_us": latency["p50_ns"] / 1000 if latency["p50_ns"] else None,
+        "connect_p99_us": latency["p99_ns"] / 1000 if latency["p99_ns"] else None,
+        "connect_ok": latency["ok"],
+        "connect_failures": latency["failures"],
+        "connect_errors": latency["errors"],
+        "rr_per_s": rr["rate"],
+        "rr_ok": rr["ok"],
+        "rr_failures": rr["failures"],
+        "rr_backends": rr["backends"],
+        "stream_gbit_s": stream.get("gbit_s"),
+        "stream_ok": stream["ok"],
+    }
+
+
+def vip_unreachable(bl: BenchLab, services: ServiceSet) -> bool:
+    """After a mode's clean-up, a ClusterIP must lead nowhere again."""
+    vip, port = services.real_targets("rr")[0]
+    return not bl.client(["probe", str(PROBE_TIMEOUT_MS), vip, str(port)])["connected"]
+
+
+RATIO_KEYS = ("connect_p50_us", "connect_p99_us", "rr_per_s", "stream_gbit_s")
+
+
+def run_slot(
+    bl: BenchLab, mode: Mode, services: ServiceSet, cfg: BenchConfig, change: dict, first: bool
+) -> dict:
+    """One mode in one round: a direct baseline, program, measure, change, clean up."""
+    baseline = measure_datapath(bl, DIRECT, services, cfg)
+    sample: dict = {"direct": baseline}
+    if mode.name == "direct":
+        return sample
+    try:
+        sample.update(mode.program(bl, services))
+        sample.update(measure_datapath(bl, mode, services, cfg))
+        sample.update(mode.change(bl, services, change))
+        if first:
+            sample.update(mode.memory(bl, services))
+    finally:
+        mode.cleanup(bl)
+    sample["cleaned_up"] = vip_unreachable(bl, services)
+    for key in RATIO_KEYS:
+        if sample.get(key) and baseline.get(key):
+            sample[f"{key}_ratio"] = sample[key] / baseline[key]
+    return sample
+
+
+DIRECT = Direct()
+
+
+def make_modes(names: Sequence[str], manifests: Callable) -> list[Mode]:
+    factories: dict[str, Callable[[], Mode]] = {
+        "direct": lambda: DIRECT,
+        "iptables": lambda: Iptables("iptables", "iptables-restore", "iptables"),
+        "iptables-legacy": lambda: Iptables(
+            "iptables-legacy", "iptables-legacy-restore", "iptables-legacy"
+        ),
+        "nftables": Nftables,
+        "kpr": lambda: Kpr(manifests),
+    }
+    return [factories[name]() for name in names]
+
+
+def round_order(modes: list[Mode], round_index: int) -> list[Mode]:
+    """Rotated each round; iptables-legacy last (it leaves conntrack on in the netns)."""
+    movable = [m for m in modes if m.name != "iptables-legacy"]
+    shift = round_index % len(movable) if movable else 0
+    return movable[shift:] + movable[:shift] + [m for m in modes if m.name == "iptables-legacy"]
+
+
+def run_bench(cfg: BenchConfig, out: Callable[[str], None] = print) -> dict:
+    cfg.validate()
+    host.require_root()
+    logging.getLogger("kpr").setLevel(logging.WARNING)
+    tool = build_loadgen()
+    report: dict = {
+        "command": "kpr bench " + " ".join(sys.argv[2:]) if sys.argv[1:2] == ["bench"] else None,
+        "machine": machine(),
+        "config": {
+            "services": cfg.sizes,
+            "endpoints": cfg.endpoints,
+            "modes": cfg.modes,
+            "connections": cfg.connections,
+            "rounds": cfg.rounds,
+            "stream_mb": cfg.stream_mb,
+            "real_services": REAL_SERVICES,
+            "cluster_cidr": CLUSTER_CIDR,
+            "service_cidr": str(VIP_NET),
+        },  # fmt: skip
+        "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "results": [],
+    }
+    with tempfile.TemporaryDirectory(prefix="kpr-bench-") as tmp:
+        for size in cfg.sizes:
+            report["results"] += _run_size(cfg, size, tool, Path(tmp), out)
+    report["finished"] = time.strftime("%Y-%m-%dT%H:%M:%S%z")
+    return report
+
+
+def _run_size(cfg: BenchConfig, size: int, tool: Path, tmp: Path, out: Callable) -> list[dict]:
+    manifest_dir = tmp / f"manifests-{size}"
+    manifests: dict = {}
+
+    def get_manifests() -> tuple[Path, dict[str, str]]:
+        return manifest_dir, manifests["file_of"]
+
+    modes = make_modes(cfg.modes, get_manifests)
+    skipped: dict[str, str] = {m.name: r for m in modes if (r := m.missing())}
+    samples: dict[str, list[dict]] = {m.name: [] for m in modes}
+    for round_index in range(cfg.rounds):
+        bl = BenchLab(cfg.endpoints, tool)
+        try:
+            services = build_services(size, cfg.endpoints, bl.pod_ips)
+            if not manifests:  # the same pods' addresses in every round's lab
+                manifest_dir.mkdir()
+                manifests["file_of"] = write_manifests(manifest_dir, services.ports)
+            change = changed_service(services, cfg.endpoints)
+            for mode in round_order(modes, round_index):
+                if mode.name in skipped:
+                    continue
+                out(f"  {size} services, round {round_index + 1}/{cfg.rounds}: {mode.name}")
+                try:
+                    sample = run_slot(bl, mode, services, cfg, change, first=round_index == 0)
+                except ModeFailed as err:
+                    skipped[mode.name] = str(err)
+                    continue
+                samples[mode.name].append(sample)
+        finally:
+            bl.close()
+    results = []
+    for mode in modes:
+        entry: dict = {"services": size, "mode": mode.name, "skipped": skipped.get(mode.name)}
+        mode_samples = samples[mode.name]
+        if mode.name == "direct":
+            # every slot's baseline is a direct measurement
+            mode_samples = [s["direct"] for m in samples.values() for s in m]
+        entry["samples"] = mode_samples
+        entry["summary"] = summarize(mode_samples) if mode_samples and not entry["skipped"] else {}
+        results.append(entry)
+    return results
+
+
+def summarize(samples: list[dict]) -> dict:
+    """Medians over rounds; a ratio is the median of per-round ratios to the adjacent direct."""
+    summary: dict = {}
+    keys = {k for s in samples for k, v in s.items() if isinstance(v, int | float)}
+    for key in sorted(keys):
+        if isinstance(samples[0].get(key), bool):
+            continue
+        values = [s[key] for s in samples if isinstance(s.get(key), int | float)]
+        if values:
+            summary[key] = statistics.median(values)
+    summary["rounds"] = len(samples)
+    summary["all_connected"] = all(
+        s.get("connect_failures") == 0 and s.get("rr_failures") == 0 and s.get("stream_ok")
+        for s in samples
+    )
+    return summary
+
+
+def machine() -> dict:
+    cpu = ""
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    mem_kb = 0
+    with contextlib.suppress(OSError, ValueError, IndexError):
+        mem_kb = int(Path("/proc/meminfo").read_text().split("\n")[0].split()[1])
+    versions = {}
+    for tool in ("iptables", "iptables-legacy", "nft"):
+        if shutil.which(tool):
+            done = subprocess.run([tool, "--version"], capture_output=True, text=True)
+            versions[tool] = done.stdout.strip()
+    return {"kernel": platform.release(), "cpus": os.cpu_count(), "cpu": cpu,
+            "memory_gib": round(mem_kb / 2**20, 1), "python": platform.python_version(),
+            "tools": versions}  # fmt: skip
+
+
+# --- output -----------------------------------------------------------------------------------
+
+
+def _fmt(value: float | None, digits: int = 1) -> str:
+    return "-" if value is None else f"{value:,.{digits}f}"
+
+
+def _ratio(value: float | None, higher_is_better: bool, color: bool) -> str:
+    if value is None:
+        return ""
+    text = f"×{value:.2f}"
+    if not color:
+        return text
+    worse = value < 0.95 if higher_is_better else value > 1.05
+    return f"\033[1;{31 if worse else 32}m{text}\033[0m"
+
+
+def render_table(report: dict, color: bool = False) -> str:
+    header = (
+        f"{'services':>8}  {'mode':<16}{'connect p50 µs':>22}{'p99 µs':>20}"
+        f"{'conn/s':>20}{'stream Gbit/s':>20}{'program s':>11}{'change ms':>11}"
+        f"{'memory MB':>11}"
+    )
+    lines = [header, "-" * len(header)]
+    for entry in report["results"]:
+        prefix = f"{entry['services']:>8}  {entry['mode']:<16}"
+        if entry["skipped"]:
+            lines.append(prefix + f"skipped: {entry['skipped']}")
+            continue
+        s = entry["summary"]
+        if not s:
+            lines.append(prefix + "no samples")
+            continue
+        is_direct = entry["mode"] == "direct"
+
+        def cell(
+            key: str, higher: bool, width: int, digits: int = 1, s: dict = s, d: bool = is_direct
+        ) -> str:
+            r = "" if d else _ratio(s.get(f"{key}_ratio"), higher, color)
+            text = f"{_fmt(s.get(key), digits)} {r}".rstrip()
+            pad = width + (len(text) - len(_strip_ansi(text)))
+            return f"{text:>{pad}}"
+
+        memory = s.get("agent_rss_mb") or s.get("restore_peak_rss_mb")
+        change = s.get("change_s")
+        lines.append(
+            prefix
+            + cell("connect_p50_us", False, 22)
+            + cell("connect_p99_us", False, 20)
+            + cell("rr_per_s", True, 20, 0)
+            + cell("stream_gbit_s", True, 20, 2)
+            + f"{_fmt(s.get('program_s'), 3):>11}"
+            + f"{_fmt(change * 1000 if change is not None else None, 1):>11}"
+            + f"{_fmt(memory, 0):>11}"
+        )
+    lines.append(
+        "×: median of per-round ratios to a direct run just before, in the same lab (lower is "
+        "better for latency, higher for conn/s and Gbit/s). memory: kpr's agent RSS when synced; "
+        "iptables/nft: peak RSS of the restore process."
+    )
+    return "\n".join(lines)
+
+
+def _strip_ansi(text: str) -> str:
+    import re
+
+    return re.sub(r"\033\[[0-9;]*m", "", text)
+
+
+def write_plot(report: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")  # no display needed
+    import matplotlib.pyplot as plt
+
+    fig, (lat, prog) = plt.subplots(1, 2, figsize=(12, 4.8))
+    by_mode: dict[str, list[tuple[int, dict]]] = {}
+    for entry in report["results"]:
+        if entry["summary"]:
+            by_mode.setdefault(entry["mode"], []).append((entry["services"], entry["summary"]))
+    for mode, points in by_mode.items():
+        points.sort(key=lambda p: p[0])
+        xs = [n for n, _ in points]
+        p50 = [s.get("connect_p50_us") for _, s in points]
+        lat.plot(xs, p50, marker="o", label=f"{mode} p50")
+        p99 = [s.get("connect_p99_us") for _, s in points]
+        lat.plot(xs, p99, marker=".", linestyle=":", alpha=0.6, label=f"{mode} p99")
+        if mode != "direct":
+            prog.plot(xs, [s.get("program_s") for _, s in points], marker="o", label=mode)
+    lat.set(xscale="log", yscale="log", xlabel="services (10 endpoints each)"
+            if report["config"]["endpoints"] == 10 else "services",
+            ylabel="connect latency, µs", title="connect() latency")  # fmt: skip
+    prog.set(xscale="log", yscale="log", xlabel="services", ylabel="seconds",
+             title="full programming time")  # fmt: skip
+    for ax in (lat, prog):
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.suptitle(f"kpr bench on {report['machine']['cpu'] or 'this machine'}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def parse_list(text: str, what: str) -> list[str]:
+    items = [item.strip() for item in text.split(",") if item.strip()]
+    if not items:
+        raise BenchError(f"--{what}: empty")
+    return items
+
+
+def config_from_options(
+    services: str,
+    endpoints: int,
+    modes: str,
+    json_path: Path | None,
+    plot_path: Path | None,
+    connections: int,
+    rounds: int,
+    stream_mb: int,
+) -> BenchConfig:
+    try:
+        sizes = [int(item) for item in parse_list(services, "services")]
+    except ValueError as err:
+        raise BenchError(f"--services: not a list of numbers: {services!r}") from err
+    cfg = BenchConfig(sizes, endpoints, parse_list(modes, "modes"), connections, rounds,
+                      stream_mb, json_path, plot_path)  # fmt: skip
+    cfg.validate()
+    return cfg
+
+
+def main(cfg: BenchConfig) -> int:
+    """Run, print the table, write JSON and plot; the CLI's `kpr bench`."""
+    started = time.monotonic()
+    with _interrupt_as_exception():
+        report = run_bench(cfg, out=lambda line: print(line, file=sys.stderr, flush=True))
+    report["seconds"] = time.monotonic() - started
+    print(render_table(report, color=sys.stdout.isatty()))
+    if cfg.json_path:
+        cfg.json_path.write_text(json.dumps(report, indent=1))
+    if cfg.plot_path:
+        write_plot(report, cfg.plot_path)
+    return 0
+
+
+@contextlib.contextmanager
+def _interrupt_as_exception() -> Iterator[None]:
+    # SIGTERM as SystemExit too, so every `finally` above (labs, pins, cgroup) runs
+    previous = signal.getsignal(signal.SIGTERM)
+
+    def stop(signum: int, _frame: object) -> None:
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, stop)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
