@@ -24,8 +24,13 @@ export KUBECONFIG=/etc/kubernetes/admin.conf
 until kubectl get --raw /readyz >/dev/null 2>&1; do sleep 2; done
 kubectl apply -k /kpr/vagrant/kustomize
 # The workers' pods come up as they join and import the image; wait for this node's.
-kubectl -n kube-system wait pod -l app.kubernetes.io/name=kpr \
-	--field-selector "spec.nodeName=$(hostname)" --for=condition=Ready --timeout=10m
+here="spec.nodeName=$(hostname)"
+until kubectl -n kube-system get pods -l app.kubernetes.io/name=kpr --field-selector "$here" \
+	-o name | grep -q .; do
+	sleep 2
+done
+kubectl -n kube-system wait pod -l app.kubernetes.io/name=kpr --field-selector "$here" \
+	--for=condition=Ready --timeout=10m
 # CoreDNS reaches the API server through the kubernetes Service: it gets ready only
 # once kpr serves that ClusterIP.
 kubectl -n kube-system rollout status deployment/coredns --timeout=10m
