@@ -1,0 +1,338 @@
+"""kpr bench: kube-proxy's rulesets checked against upstream's format (golden files, hashes),
+loaded by the real tools, and a small bench run end to end."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import uuid
+from ipaddress import IPv4Address
+from pathlib import Path
+
+import pytest
+
+from kpr.bench import kubeproxy_rules as rules
+from kpr.bench import run as bench
+from kpr.bench.kubeproxy_rules import ServicePort
+
+GOLDEN = Path(__file__).with_name("golden")
+REPO = Path(__file__).resolve().parents[1]
+
+# The small service set of the golden files: upstream's own test names and addresses
+# (pkg/proxy/*/proxier_test.go: pod CIDR 10.0.0.0/8, ClusterIPs in 172.30.0.0/16).
+SERVICES = [
+    ServicePort(
+        "ns1", "svc1", "p80", "TCP", "172.30.0.41", 80, (("10.180.0.1", 80), ("10.180.2.1", 80))
+    ),
+    ServicePort(
+        "ns2",
+        "svc2",
+        "dns",
+        "UDP",
+        "172.30.0.42",
+        53,
+        (("10.180.0.2", 53), ("10.180.0.3", 53), ("10.180.0.4", 53)),
+    ),
+    ServicePort("ns3", "svc3", "", "TCP", "172.30.0.43", 8080, (("10.180.0.5", 8080),)),
+]
+CLUSTER_CIDR = "10.0.0.0/8"
+SERVICE_CIDR = "172.30.0.0/16"
+NODE_IPS = ["192.168.0.2"]
+
+
+def _iptables() -> str:
+    return rules.iptables_restore(SERVICES, CLUSTER_CIDR)
+
+
+def _nftables() -> str:
+    return rules.nft_ruleset(SERVICES, CLUSTER_CIDR, SERVICE_CIDR, NODE_IPS)
+
+
+# --- names and format, against upstream --------------------------------------------------------
+
+
+def test_chain_hashes_match_upstream():
+    svc1 = SERVICES[0]
+    assert rules.svc_chain(svc1) == "KUBE-SVC-XPGD46QRK7WJZT7O"
+    assert rules.sep_chain(svc1, ("10.180.0.1", 80)) == "KUBE-SEP-SXIVWICOYRO3J4NJ"
+    assert rules.sep_chain(svc1, ("10.180.2.1", 80)) == "KUBE-SEP-ZX7GRIZKSNUQ3LAJ"
+    assert rules.port_proto_hash("ns1/svc1:p80", "tcp") == "XPGD46QRK7WJZT7O"
+    assert rules.nft_service_chain(svc1) == "service-ULMVA6XW-ns1/svc1/tcp/p80"
+    assert (
+        rules.nft_endpoint_chain(svc1, ("10.180.0.1", 80))
+        == "endpoint-5OJB2KTY-ns1/svc1/tcp/p80__10.180.0.1/80"
+    )
+
+
+def test_iptables_lines_as_upstream_writes_them():
+    # Lines from upstream's TestOverallIPTablesRules (there with the pod CIDR 10.0.0.0/8).
+    text = _iptables().splitlines()
+    for line in [
+        '-A KUBE-SERVICES -m comment --comment "ns1/svc1:p80 cluster IP" -m tcp -p tcp'
+        " -d 172.30.0.41 --dport 80 -j KUBE-SVC-XPGD46QRK7WJZT7O",
+        '-A KUBE-SVC-XPGD46QRK7WJZT7O -m comment --comment "ns1/svc1:p80 cluster IP" -m tcp'
+        " -p tcp -d 172.30.0.41 --dport 80 ! -s 10.0.0.0/8 -j KUBE-MARK-MASQ",
+        '-A KUBE-SVC-XPGD46QRK7WJZT7O -m comment --comment "ns1/svc1:p80 -> 10.180.0.1:80"'
+        " -m statistic --mode random --probability 0.5000000000 -j KUBE-SEP-SXIVWICOYRO3J4NJ",
+        '-A KUBE-SVC-XPGD46QRK7WJZT7O -m comment --comment "ns1/svc1:p80 -> 10.180.2.1:80"'
+        " -j KUBE-SEP-ZX7GRIZKSNUQ3LAJ",
+        "-A KUBE-SEP-SXIVWICOYRO3J4NJ -m comment --comment ns1/svc1:p80 -s 10.180.0.1"
+        " -j KUBE-MARK-MASQ",
+        "-A KUBE-SEP-SXIVWICOYRO3J4NJ -m comment --comment ns1/svc1:p80 -m tcp -p tcp"
+        " -j DNAT --to-destination 10.180.0.1:80",
+        "-A KUBE-MARK-MASQ -j MARK --or-mark 0x4000",
+        "-A KUBE-POSTROUTING -m mark ! --mark 0x4000/0x4000 -j RETURN",
+        "-A KUBE-POSTROUTING -j MARK --xor-mark 0x4000",
+    ]:
+        assert line in text
+    # the statistic cascade: 1/3, 1/2, then unconditional
+    svc2 = [line for line in text if line.startswith(f"-A {rules.svc_chain(SERVICES[1])} ")]
+    assert [
+        ("--probability 0.3333333333" in r, "--probability 0.5000000000" in r, "statistic" not in r)
+        for r in svc2[1:]
+    ] == [(True, False, False), (False, True, False), (False, False, True)]
+    # NodePorts last in KUBE-SERVICES; the unnamed port's comment has no ":"
+    services_chain = [line for line in text if line.startswith("-A KUBE-SERVICES ")]
+    assert "-j KUBE-NODEPORTS" in services_chain[-1]
+    assert any('"ns3/svc3 cluster IP"' in line for line in services_chain)
+
+
+def test_large_cluster_mode_drops_per_endpoint_comments():
+    many = [
+        ServicePort(
+            "ns",
+            f"s{i}",
+            "p",
+            "TCP",
+            f"172.30.{i // 250}.{i % 250}",
+            80,
+            tuple((f"10.{i // 250}.{i % 250}.{j}", 80) for j in range(11)),
+        )
+        for i in range(100)
+    ]  # 1,100 endpoints: more than upstream's 1,000
+    text = rules.iptables_restore(many, CLUSTER_CIDR)
+    seps = [line for line in text.splitlines() if line.startswith("-A KUBE-SEP-")]
+    assert seps and not any("comment" in line for line in seps)
+    # ...but the ClusterIP rules keep theirs
+    assert '"ns/s0:p cluster IP"' in text
+
+
+def test_nftables_lines_as_upstream_writes_them():
+    text = _nftables().splitlines()
+    for line in [
+        "add rule ip kube-proxy service-ULMVA6XW-ns1/svc1/tcp/p80 ip daddr 172.30.0.41"
+        " ip saddr != 10.0.0.0/8 jump mark-for-masquerade",
+        "add rule ip kube-proxy endpoint-5OJB2KTY-ns1/svc1/tcp/p80__10.180.0.1/80"
+        " ip saddr 10.180.0.1 jump mark-for-masquerade",
+        "add rule ip kube-proxy endpoint-5OJB2KTY-ns1/svc1/tcp/p80__10.180.0.1/80"
+        " meta l4proto tcp dnat to 10.180.0.1:80",
+        "add element ip kube-proxy service-ips { 172.30.0.41 . tcp . 80 : goto"
+        " service-ULMVA6XW-ns1/svc1/tcp/p80 }",
+        "add rule ip kube-proxy services ip daddr . meta l4proto . th dport vmap @service-ips",
+    ]:
+        assert line in text
+    vmap = next(line for line in text if "service-ULMVA6XW" in line and "numgen" in line)
+    assert "numgen random mod 2 vmap { 0 : goto endpoint-5OJB2KTY-" in vmap
+
+
+def test_golden_files():
+    # Regenerate with KPR_UPDATE_GOLDEN=1 after a deliberate format change, then review the diff
+    # against upstream's proxier_test.go.
+    for name, text in (("iptables.txt", _iptables()), ("nftables.nft", _nftables())):
+        path = GOLDEN / name
+        if os.environ.get("KPR_UPDATE_GOLDEN"):
+            path.write_text(text)
+        assert text == path.read_text(), f"{name} differs from the golden file"
+
+
+def test_partial_syncs():
+    old = SERVICES[0]
+    new = ServicePort(
+        *[
+            getattr(old, f)
+            for f in ("namespace", "name", "port_name", "protocol", "cluster_ip", "port")
+        ],
+        endpoints=(("10.180.9.9", 80), old.endpoints[1]),
+    )
+    ipt = rules.iptables_partial([new, *SERVICES[1:]], [new], CLUSTER_CIDR)
+    # every ClusterIP rule again, but only the changed service's chains
+    assert ipt.count("-A KUBE-SERVICES ") == len(SERVICES) + 1
+    assert rules.svc_chain(SERVICES[1]) not in ipt.replace("-j " + rules.svc_chain(SERVICES[1]), "")
+    assert "--to-destination 10.180.9.9:80" in ipt
+    nft = rules.nft_partial(old, new, CLUSTER_CIDR)
+    assert f"flush chain ip kube-proxy {rules.nft_service_chain(old)}" in nft
+    assert f"flush chain ip kube-proxy {rules.nft_endpoint_chain(old, old.endpoints[0])}" in nft
+    assert "dnat to 10.180.9.9:80" in nft
+
+
+# --- the rulesets load ------------------------------------------------------------------------
+
+
+@pytest.fixture
+def throwaway_netns():
+    if os.geteuid() != 0:
+        pytest.skip("needs root to make a network namespace")
+    if shutil.which("ip") is None:
+        pytest.skip("needs iproute2's `ip`")
+    name = f"kprbenchtest-{uuid.uuid4().hex[:8]}"
+    subprocess.run(["ip", "netns", "add", name], check=True)
+    try:
+        yield name
+    finally:
+        subprocess.run(["ip", "netns", "del", name], check=False)
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["iptables-restore", "--test", "--noflush"],
+        ["iptables-legacy-restore", "--test", "--noflush"],
+        ["nft", "-c", "-f", "-"],
+    ],
+    ids=["iptables-nft", "iptables-legacy", "nft"],
+)
+def test_rulesets_load(throwaway_netns, argv):
+    if shutil.which(argv[0]) is None:
+        pytest.skip(f"{argv[0]} not installed")
+    old = SERVICES[0]
+    new = ServicePort(
+        old.namespace,
+        old.name,
+        old.port_name,
+        old.protocol,
+        old.cluster_ip,
+        old.port,
+        (("10.180.9.9", 80), old.endpoints[1]),
+    )
+    if argv[0] == "nft":
+        full, partial = _nftables(), rules.nft_partial(old, new, CLUSTER_CIDR)
+    else:
+        full = _iptables()
+        partial = rules.iptables_partial([new, *SERVICES[1:]], [new], CLUSTER_CIDR)
+    real = [a for a in argv if a not in ("--test", "-c")]  # the same tool, loading for real
+
+    def load(tool: list[str], text: str) -> None:
+        done = subprocess.run(
+            ["ip", "netns", "exec", throwaway_netns, *tool],
+            input=text,
+            capture_output=True,
+            text=True,
+        )
+        assert done.returncode == 0, done.stderr
+
+    load(argv, full)
+    # a partial sync only makes sense on top of the full one: load that, then check the update
+    load(real, full)
+    load(argv, partial)
+    load(real, partial)
+
+
+# --- the benchmark ------------------------------------------------------------------------------
+
+
+def _kpr(*args: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    return subprocess.run(
+        [sys.executable, "-m", "kpr.cli", *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--services", "0"], "at least 1"),
+        (["--services", ""], "--services"),
+        (["--endpoints", "500"], "more endpoints than the lab has pod addresses"),
+        (["--services", "5000000", "--endpoints", "10"], "more services than the service CIDR"),
+        (["--modes", "direct,ipvs"], "unknown ['ipvs']"),
+    ],
+)
+def test_bad_input_is_one_clear_line(args, message):
+    done = _kpr("bench", *args)
+    assert done.returncode == 2
+    assert message in done.stderr
+
+
+def test_a_missing_tool_skips_its_mode_with_the_reason():
+    mode = bench.Iptables("iptables-legacy", "no-such-iptables-restore", "no-such-iptables")
+    assert mode.missing() == "no-such-iptables-restore not installed"
+    report = {
+        "results": [
+            {"services": 3, "mode": "iptables-legacy", "skipped": mode.missing(), "summary": {}}
+        ]
+    }
+    assert "skipped: no-such-iptables-restore not installed" in bench.render_table(report)
+
+
+def test_services_spread_real_ones_through_the_list():
+    services = bench.build_services(1000, 3, ["10.244.1.11", "10.244.1.12", "10.244.1.13"])
+    assert len(services.real) == bench.REAL_SERVICES
+    assert services.real[0] < 100 and services.real[-1] > 900  # a linear scan meets every depth
+    assert len(services.ports) == 1000 + 2 * bench.REAL_SERVICES  # 3 ports on real services
+    changed = bench.changed_service(services, 3)
+    assert all(IPv4Address(sp.endpoints[0][0]) in bench.FAKE_NET for sp in changed.values())
+
+
+def test_small_bench_every_mode_carries_connections(tmp_path):
+    if os.geteuid() != 0:
+        pytest.skip("needs root: network namespaces, BPF, iptables")
+    from kpr import host
+
+    try:
+        host.require_bcc()
+        host.require_kernel_headers()
+        host.cgroup2_root()
+    except (host.SetupError, RuntimeError) as err:
+        pytest.skip(str(err))
+    out = tmp_path / "bench.json"
+    plot = tmp_path / "bench.png"
+    done = _kpr(
+        "bench",
+        "--services",
+        "3",
+        "--endpoints",
+        "2",
+        "--connections",
+        "200",
+        "--rounds",
+        "1",
+        "--stream-mb",
+        "16",
+        "--json",
+        str(out),
+        "--plot",
+        str(plot),
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert plot.stat().st_size > 10_000
+    assert {e["mode"] for e in report["results"]} == set(bench.MODES)
+    for line in ("direct", "iptables", "nftables", "kpr"):
+        assert any(row.split()[1:2] == [line] for row in done.stdout.splitlines()), done.stdout
+    pods = {"0", "1"}  # the load tool's servers answer with their pod's index
+    for entry in report["results"]:
+        if entry["skipped"]:
+            # only a tool the machine lacks may be skipped, never kpr or direct
+            assert entry["mode"] not in ("direct", "kpr"), entry["skipped"]
+            assert "not installed" in entry["skipped"], entry["skipped"]
+            continue
+        summary = entry["summary"]
+        assert summary["all_connected"], entry
+        for key in ("connect_p50_us", "connect_p99_us", "rr_per_s", "stream_gbit_s"):
+            assert summary[key] > 0
+        for sample in entry["samples"]:
+            assert set(sample["rr_backends"]) <= pods
+            assert set(sample["rr_backends"]) == pods  # 200 connections reach both pods
+        if entry["mode"] != "direct":
+            assert summary["cleaned_up"] == 1  # the ClusterIP leads nowhere after clean-up
+            for key in ("connect_p50_us_ratio", "program_s", "change_s"):
+                assert summary[key] > 0
+        if entry["mode"] == "kpr":
+            assert summary["agent_rss_mb"] > 0
