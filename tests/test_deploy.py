@@ -371,6 +371,11 @@ def test_daemonset_mounts_the_hosts_bpffs_cgroup_and_headers(rendered, daemonset
     assert volume["hostPath"]["path"] == "/sys/fs/bpf" == mount["mountPath"]
     assert mount.get("mountPropagation") in ("HostToContainer", "Bidirectional")
     assert not mount.get("readOnly")
+    # ... and the pod does not start on a host without one (kpr would mount its own)
+    (init,) = daemonset["spec"]["template"]["spec"]["initContainers"]
+    assert "bpf_fs" in " ".join(init["command"])
+    assert [m["mountPath"] for m in init["volumeMounts"]] == ["/sys/fs/bpf"]
+    assert init["image"] == container(daemonset)["image"]
     # the host's cgroup v2 hierarchy, at the same path as on the host
     mount, volume = covering_mount(daemonset, params["cgroup"])
     assert volume["hostPath"]["path"] == mount["mountPath"] == str(params["cgroup"])
