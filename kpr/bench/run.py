@@ -1019,6 +1019,8 @@ def summarize(samples: list[dict]) -> dict:
         if values:
             summary[key] = statistics.median(values)
     summary["rounds"] = len(samples)
+    if any("cleaned_up" in s for s in samples):
+        summary["cleaned_up"] = all(s.get("cleaned_up") for s in samples)
     summary["all_connected"] = all(
         s.get("connect_failures") == 0 and s.get("rr_failures") == 0 and s.get("stream_ok")
         for s in samples
@@ -1115,32 +1117,44 @@ def _strip_ansi(text: str) -> str:
     return re.sub(r"\033\[[0-9;]*m", "", text)
 
 
+MODE_COLORS = {"direct": "black", "iptables": "tab:orange", "iptables-legacy": "tab:brown",
+               "nftables": "tab:purple", "kpr": "tab:green"}  # fmt: skip
+
+
 def write_plot(report: dict, path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")  # no display needed
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import FuncFormatter, NullFormatter
 
     fig, (lat, prog) = plt.subplots(1, 2, figsize=(12, 4.8))
     by_mode: dict[str, list[tuple[int, dict]]] = {}
     for entry in report["results"]:
         if entry["summary"]:
             by_mode.setdefault(entry["mode"], []).append((entry["services"], entry["summary"]))
+    sizes = sorted({n for points in by_mode.values() for n, _ in points})
     for mode, points in by_mode.items():
         points.sort(key=lambda p: p[0])
         xs = [n for n, _ in points]
-        p50 = [s.get("connect_p50_us") for _, s in points]
-        lat.plot(xs, p50, marker="o", label=f"{mode} p50")
-        p99 = [s.get("connect_p99_us") for _, s in points]
-        lat.plot(xs, p99, marker=".", linestyle=":", alpha=0.6, label=f"{mode} p99")
+        color = MODE_COLORS.get(mode)
+        lat.plot(xs, [s.get("connect_p50_us") for _, s in points], marker="o", color=color,
+                 label=f"{mode} p50")  # fmt: skip
+        lat.plot(xs, [s.get("connect_p99_us") for _, s in points], marker=".", color=color,
+                 linestyle=":", alpha=0.6, label=f"{mode} p99")  # fmt: skip
         if mode != "direct":
-            prog.plot(xs, [s.get("program_s") for _, s in points], marker="o", label=mode)
-    lat.set(xscale="log", yscale="log", xlabel="services (10 endpoints each)"
-            if report["config"]["endpoints"] == 10 else "services",
-            ylabel="connect latency, µs", title="connect() latency")  # fmt: skip
-    prog.set(xscale="log", yscale="log", xlabel="services", ylabel="seconds",
-             title="full programming time")  # fmt: skip
+            prog.plot(xs, [s.get("program_s") for _, s in points], marker="o", color=color,
+                      label=f"{mode} full")  # fmt: skip
+            prog.plot(xs, [s.get("change_s") for _, s in points], marker=".", color=color,
+                      linestyle=":", alpha=0.6, label=f"{mode} 1 endpoint")  # fmt: skip
+    endpoints = report["config"]["endpoints"]
+    lat.set(ylabel="connect() latency, µs", title="connect latency (p50 solid, p99 dotted)")
+    prog.set(ylabel="seconds", title="programming: all services (solid), one endpoint (dotted)")
     for ax in (lat, prog):
+        ax.set(xscale="log", yscale="log", xlabel=f"services ({endpoints} endpoints each)")
+        ax.set_xticks(sizes)
+        ax.xaxis.set_major_formatter(FuncFormatter(lambda x, _pos: f"{x:,.0f}"))
+        ax.xaxis.set_minor_formatter(NullFormatter())
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=7)
     fig.suptitle(f"kpr bench on {report['machine']['cpu'] or 'this machine'}", fontsize=9)
