@@ -7,6 +7,7 @@ a bad field raises ObjectError naming the object and the field path.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from datetime import datetime
 from ipaddress import ip_address
@@ -76,7 +77,9 @@ def _string(value: object, ref: ObjectRef | None, path: str, default: str = "") 
         return default
     if not isinstance(value, str):
         raise ObjectError(ref, path, f"must be a string, not {_type_name(value)}")
-    return value
+    # the same few names (namespaces, port names, label keys, node names) recur in
+    # every object: one copy each keeps 10,000 Services some MB smaller
+    return sys.intern(value)
 
 
 def _optional_string(value: object, ref: ObjectRef, path: str) -> str | None:
@@ -90,7 +93,7 @@ def _choice(
         return default
     if value not in choices:
         raise ObjectError(ref, path, f"{value!r} is not one of {', '.join(choices)}")
-    return str(value)
+    return choices[choices.index(value)]  # the constant, not the parser's copy
 
 
 def _bool(value: object, ref: ObjectRef, path: str, default: bool) -> bool:
@@ -138,9 +141,10 @@ def _metadata(obj: dict[str, Any], kind: str) -> tuple[ObjectRef, dict[str, str]
     namespace = _string(metadata.get("namespace"), None, "metadata.namespace") or "default"
     ref = ObjectRef(kind, namespace, name)
     labels = _mapping(metadata.get("labels"), ref, "metadata.labels")
-    for key, value in labels.items():
-        _string(value, ref, f"metadata.labels[{key}]")
-    return ref, dict(labels)
+    return ref, {
+        sys.intern(str(key)): _string(value, ref, f"metadata.labels[{key}]")
+        for key, value in labels.items()
+    }
 
 
 # --- Service -------------------------------------------------------------------------
