@@ -37,6 +37,15 @@ _libbpf.bpf_map_delete_batch.argtypes = [
     ct.POINTER(ct.c_uint32),
     ct.c_void_p,
 ]
+_libbpf.bpf_map_lookup_batch.argtypes = [
+    ct.c_int,
+    ct.c_void_p,
+    ct.c_void_p,
+    ct.c_void_p,
+    ct.c_void_p,
+    ct.POINTER(ct.c_uint32),
+    ct.c_void_p,
+]
 _libbpf.bpf_prog_attach.argtypes = [ct.c_int, ct.c_int, ct.c_int, ct.c_uint]
 _libbpf.bpf_prog_detach2.argtypes = [ct.c_int, ct.c_int, ct.c_int]
 _libbpf.bpf_prog_get_fd_by_id.argtypes = [ct.c_uint32]
@@ -189,21 +198,6 @@ class PinnedMap:
             os.close(self.fd)
             self.fd = -1
 
-    def iter_keys(self) -> Iterator:
-        key = self.key_type()
-        prev = None
-        while True:
-            ret = _libbpf.bpf_map_get_next_key(
-                self.fd, None if prev is None else ct.byref(prev), ct.byref(key)
-            )
-            if ret < 0:
-                code = -ret if ret != -1 else ct.get_errno()
-                if code == errno.ENOENT:
-                    return
-                _check(ret, f"iterate {self.name}")
-            yield key
-            prev, key = key, self.key_type()
-
     def lookup(self, key):
         value = self.value_type()
         ret = _libbpf.bpf_map_lookup_elem(self.fd, ct.byref(key), ct.byref(value))
@@ -214,27 +208,33 @@ class PinnedMap:
             _check(ret, f"look up in {self.name}")
         return value
 
-    def items(self) -> list[tuple]:
-        """A snapshot of the map. Entries deleted while iterating are skipped."""
-        out = []
-        for key in self.iter_keys():
-            value = self.lookup(key)
-            if value is not None:
-                out.append((key, value))
-        return out
-
-    def update(self, key, value) -> None:
-        _check(
-            _libbpf.bpf_map_update_elem(self.fd, ct.byref(key), ct.byref(value), BPF_ANY),
-            f"write to {self.name}",
-        )
-
-    def delete(self, key) -> None:
-        ret = _libbpf.bpf_map_delete_elem(self.fd, ct.byref(key))
-        if ret < 0:
-            code = -ret if ret != -1 else ct.get_errno()
-            if code != errno.ENOENT:
-                _check(ret, f"delete from {self.name}")
+    def dump(self, chunk: int = 8192) -> Iterator[tuple[bytes, bytes, int]]:
+        """Every entry, as (packed keys, packed values, count) chunks: one syscall per
+        chunk instead of two per entry (3.4 s → a fraction at 220,000 entries)."""
+        key_size, value_size = self.info.key_size, self.info.value_size
+        keys = ct.create_string_buffer(key_size * chunk)
+        values = ct.create_string_buffer(value_size * chunk)
+        token_in = ct.create_string_buffer(max(8, key_size))
+        token_out = ct.create_string_buffer(max(8, key_size))
+        first = True
+        while True:
+            count = ct.c_uint32(chunk)
+            ret = _libbpf.bpf_map_lookup_batch(
+                self.fd, None if first else token_in, token_out, keys, values, ct.byref(count), None
+            )
+            code = 0 if ret >= 0 else (-ret if ret != -1 else ct.get_errno())
+            if code not in (0, errno.ENOENT):
+                _check(ret, f"read {self.name}")
+            if count.value:
+                yield (
+                    keys.raw[: key_size * count.value],
+                    values.raw[: value_size * count.value],
+                    count.value,
+                )
+            if code == errno.ENOENT:
+                return
+            ct.memmove(token_in, token_out, len(token_out))
+            first = False
 
     def update_packed(self, key: bytes, value: bytes) -> None:
         _check(_libbpf.bpf_map_update_elem(self.fd, key, value, BPF_ANY), f"write to {self.name}")

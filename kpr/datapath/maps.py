@@ -11,7 +11,7 @@ import ctypes as ct
 import logging
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from ipaddress import IPv4Address, IPv6Address, ip_address
+from ipaddress import ip_address
 from pathlib import Path
 from typing import NamedTuple, Protocol
 
@@ -192,15 +192,6 @@ def consistent(maps: MemoryMaps) -> list[str]:
 # --- the kernel maps ------------------------------------------------------------------
 
 
-def _address_port(value) -> tuple[IPv4Address | IPv6Address, int]:
-    return ip_address(bytes(value.address)), value.port
-
-
-def _frontend(key) -> Frontend:
-    address, port = _address_port(key)
-    return Frontend(address, port, abi.PROTOCOL_NAMES.get(key.protocol, str(key.protocol)))
-
-
 # Packers: one (map name, key bytes, value bytes) per entry. Written for speed:
 # a full sync at 10,000 services packs 220,000 entries.
 
@@ -269,27 +260,41 @@ class BpfMaps:
     def read(self) -> ProgrammedState:
         services: dict[ServiceKey, ServiceEntry] = {}
         backends: dict[int, Backend] = {}
-        revnat: dict[int, Frontend] = {}
+        revnat: dict[int, tuple] = {}
+        protocols = abi.PROTOCOL_NAMES
         for version in (4, 6):
-            for key, value in self._family("services", version).items():
-                entry = ServiceEntry(
-                    value.backend_id, value.count, value.service_id, value.affinity_timeout
-                )
-                services[(_frontend(key), key.slot)] = entry
-            for key, value in self._family("backends", version).items():
-                backends[key.value] = Backend(*_address_port(value))
-            for key, value in self._family("revnat", version).items():
-                address, port = _address_port(value)
-                # the protocol is not in the reverse entry: take it from the master
-                revnat[key.value] = Frontend(address, port, "")
+            key_layout = abi.SERVICE4_KEY if version == 4 else abi.SERVICE6_KEY
+            address_layout = abi.BACKEND4 if version == 4 else abi.BACKEND6
+            frontends: dict[tuple, Frontend] = {}  # one object per frontend, not per slot
+            for keys, values, _ in self._family("services", version).dump():
+                for (address, port, protocol, slot), (bid, count, sid, _, affinity) in zip(
+                    key_layout.iter_unpack(keys), abi.SERVICE_VALUE.iter_unpack(values), strict=True
+                ):
+                    frontend = frontends.get((address, port, protocol))
+                    if frontend is None:
+                        name = protocols.get(protocol, str(protocol))
+                        frontend = Frontend(ip_address(address), port, name)
+                        frontends[(address, port, protocol)] = frontend
+                    services[(frontend, slot)] = ServiceEntry(bid, count, sid, affinity)
+            for keys, values, _ in self._family("backends", version).dump():
+                for (bid,), (address, port) in zip(
+                    abi.ID.iter_unpack(keys), address_layout.iter_unpack(values), strict=True
+                ):
+                    backends[bid] = Backend(ip_address(address), port)
+            for keys, values, _ in self._family("revnat", version).dump():
+                for (sid,), (address, port) in zip(
+                    abi.ID.iter_unpack(keys), address_layout.iter_unpack(values), strict=True
+                ):
+                    revnat[sid] = (ip_address(address), port)
         state = decode(services, backends, {})
         by_id = {s.service_id: f for f, s in state.services.items()}
-        for sid, partial in revnat.items():
+        for sid, (address, port) in revnat.items():
             full = by_id.get(sid)
-            if full is not None and (full.address, full.port) == (partial.address, partial.port):
+            if full is not None and (full.address, full.port) == (address, port):
                 state.revnat[sid] = full
             else:
-                state.revnat[sid] = partial  # orphan: plan() deletes it
+                # an orphan: the protocol is not in the reverse entry; plan() deletes it
+                state.revnat[sid] = Frontend(address, port, "")
         return state.reindex()
 
     def _write(self, entries: list[tuple[str, bytes, bytes]], labels: list) -> WriteResult:
@@ -361,7 +366,7 @@ class BpfMaps:
         """Entries used and max_entries per map."""
         return {
             spec.pin: (
-                sum(1 for _ in self.maps[name].iter_keys()),
+                sum(count for _, _, count in self.maps[name].dump()),
                 self.maps[name].info.max_entries,
             )
             for name, spec in abi.MAPS.items()
