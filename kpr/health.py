@@ -24,12 +24,12 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 from kpr.metrics import Metrics
+from kpr.serving import BackgroundServer
 
 log = logging.getLogger(__name__)
 
 TO_BE_DELETED_TAINT = "ToBeDeletedByClusterAutoscaler"
 _GO_ZERO_TIME = "0001-01-01 00:00:00 +0000 UTC"
-_POLL_INTERVAL = 0.05  # how soon stop() is noticed
 
 
 def go_time(seconds: float | None) -> str:
@@ -172,41 +172,16 @@ class _Server6(_Server):
     address_family = socket.AF_INET6
 
 
-class HealthServer:
+class HealthServer(BackgroundServer):
     """Serves a ProxyHealth at /healthz and /livez over HTTP, from a daemon thread."""
 
+    name = "kpr-healthz"
+
     def __init__(self, health: ProxyHealth, metrics: Metrics, host: str, port: int) -> None:
+        super().__init__(host, port)
         self.health = health
         self.metrics = metrics
-        self.host = host
-        self.requested_port = port
-        self._server: _Server | None = None
-        self._thread: threading.Thread | None = None
 
-    @property
-    def port(self) -> int:
-        """The bound port (the kernel's choice when asked for port 0)."""
-        if self._server is None:
-            raise RuntimeError("HealthServer is not started")
-        return self._server.server_address[1]
-
-    def start(self) -> None:
+    def _make_server(self) -> _Server:
         server_class = _Server6 if ":" in self.host else _Server
-        self._server = server_class((self.host, self.requested_port), self.health, self.metrics)
-        self._thread = threading.Thread(
-            target=self._server.serve_forever,
-            args=(_POLL_INTERVAL,),
-            name="kpr-healthz",
-            daemon=True,
-        )
-        self._thread.start()
-
-    def stop(self) -> None:
-        if self._server is None:
-            return
-        self._server.shutdown()
-        self._server.server_close()
-        if self._thread is not None:
-            self._thread.join()
-        self._server = None
-        self._thread = None
+        return server_class((self.host, self.requested_port), self.health, self.metrics)

@@ -23,6 +23,7 @@ from prometheus_client.core import CounterMetricFamily
 from prometheus_client.registry import Collector
 
 from kpr.datapath import abi
+from kpr.serving import BackgroundServer
 
 log = logging.getLogger(__name__)
 
@@ -44,7 +45,6 @@ NETWORK_PROGRAMMING_BUCKETS = (
 DATAPATH_OUTCOMES = tuple(abi.STAT_NAMES.values())
 
 _KUBE_PROXY = "kubeproxy"
-_POLL_INTERVAL = 0.05  # how soon stop() is noticed
 
 
 def _alpha(text: str) -> str:
@@ -259,43 +259,18 @@ def _metrics_only(app: Callable[..., Iterable[bytes]]) -> Callable[..., Iterable
     return route
 
 
-class MetricsServer:
+class MetricsServer(BackgroundServer):
     """Serves a Metrics registry at /metrics over HTTP, from a daemon thread."""
 
+    name = "kpr-metrics"
+
     def __init__(self, metrics: Metrics, host: str, port: int) -> None:
+        super().__init__(host, port)
         self.metrics = metrics
-        self.host = host
-        self.requested_port = port
-        self._server: WSGIServer | None = None
-        self._thread: threading.Thread | None = None
 
-    @property
-    def port(self) -> int:
-        """The bound port (the kernel's choice when asked for port 0)."""
-        if self._server is None:
-            raise RuntimeError("MetricsServer is not started")
-        return self._server.server_address[1]
-
-    def start(self) -> None:
+    def _make_server(self) -> WSGIServer:
         app = _metrics_only(prometheus_client.make_wsgi_app(self.metrics.registry))
         server_class = _ThreadingWSGIServer6 if ":" in self.host else _ThreadingWSGIServer
-        self._server = make_server(
+        return make_server(
             self.host, self.requested_port, app, server_class, handler_class=_QuietHandler
         )
-        self._thread = threading.Thread(
-            target=self._server.serve_forever,
-            args=(_POLL_INTERVAL,),
-            name="kpr-metrics",
-            daemon=True,
-        )
-        self._thread.start()
-
-    def stop(self) -> None:
-        if self._server is None:
-            return
-        self._server.shutdown()
-        self._server.server_close()
-        if self._thread is not None:
-            self._thread.join()
-        self._server = None
-        self._thread = None

@@ -31,6 +31,7 @@ from pathlib import Path
 from kpr import host, runstate
 from kpr.datapath import abi, loader
 from kpr.datapath.maps import BpfMaps
+from kpr.lab.scale import bench_endpoint_slice, bench_service
 from tests.apiserver import TestApiServer
 
 VIP_BASE = IPv4Address("10.96.0.16")
@@ -40,37 +41,9 @@ ENDPOINT_BASE = IPv4Address("10.128.0.0")
 def populate(api: TestApiServer, services: int, endpoints: int) -> None:
     for i in range(services):
         name = f"svc-{i}"
-        vip = str(VIP_BASE + i)
-        api.create(
-            {
-                "apiVersion": "v1",
-                "kind": "Service",
-                "metadata": {"name": name, "namespace": "bench"},
-                "spec": {
-                    "clusterIP": vip,
-                    "clusterIPs": [vip],
-                    "ports": [{"name": "http", "port": 80, "protocol": "TCP"}],
-                },
-            }
-        )
-        api.create(
-            endpoint_slice(name, [str(ENDPOINT_BASE + i * endpoints + j) for j in range(endpoints)])
-        )
-
-
-def endpoint_slice(service: str, addresses: list[str]) -> dict:
-    return {
-        "apiVersion": "discovery.k8s.io/v1",
-        "kind": "EndpointSlice",
-        "metadata": {
-            "name": f"{service}-abcde",
-            "namespace": "bench",
-            "labels": {"kubernetes.io/service-name": service},
-        },
-        "addressType": "IPv4",
-        "ports": [{"name": "http", "port": 8080, "protocol": "TCP"}],
-        "endpoints": [{"addresses": [a], "conditions": {"ready": True}} for a in addresses],
-    }
+        api.create(bench_service(name, str(VIP_BASE + i)))
+        addresses = [str(ENDPOINT_BASE + i * endpoints + j) for j in range(endpoints)]
+        api.create(bench_endpoint_slice(name, addresses))
 
 
 def backends_of(maps: BpfMaps, vip: str) -> set[str]:
@@ -126,7 +99,7 @@ def measure(services: int, endpoints: int, changes: int) -> dict:
                 next_address += 1
                 addresses = current[1:] + [new]
                 began = time.perf_counter()
-                api.update(endpoint_slice(f"svc-{i}", addresses))
+                api.update(bench_endpoint_slice(f"svc-{i}", addresses))
                 deadline = began + 10
                 while new not in backends_of(maps, vip):
                     if time.perf_counter() > deadline:

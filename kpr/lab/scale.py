@@ -36,6 +36,36 @@ VIP_BASE = IPv4Address("10.96.0.0")
 FAKE_ENDPOINT_BASE = IPv4Address("10.128.0.0")
 
 
+def bench_service(name: str, vip: str) -> dict:
+    """Service bench/<name>: one TCP port, 80 → 8080, on one ClusterIP."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": {"name": name, "namespace": "bench"},
+        "spec": {
+            "clusterIP": vip,
+            "clusterIPs": [vip],
+            "ports": [{"name": "http", "port": 80, "protocol": "TCP", "targetPort": 8080}],
+        },
+    }
+
+
+def bench_endpoint_slice(service: str, addresses: list[str]) -> dict:
+    """The one EndpointSlice of bench/<service>: ready endpoints on port 8080."""
+    return {
+        "apiVersion": "discovery.k8s.io/v1",
+        "kind": "EndpointSlice",
+        "metadata": {
+            "name": f"{service}-abcde",
+            "namespace": "bench",
+            "labels": {"kubernetes.io/service-name": service},
+        },
+        "addressType": "IPv4",
+        "ports": [{"name": "http", "port": 8080, "protocol": "TCP"}],
+        "endpoints": [{"addresses": [a], "conditions": {"ready": True}} for a in addresses],
+    }
+
+
 def write_manifests(directory: Path, services: int, endpoints: int, lab: Lab) -> list[str]:
     """N Services + N EndpointSlices; returns the ClusterIPs backed by real pods."""
     real = []
@@ -49,32 +79,7 @@ def write_manifests(directory: Path, services: int, endpoints: int, lab: Lab) ->
         else:
             first = i * endpoints
             addresses = [str(FAKE_ENDPOINT_BASE + first + j) for j in range(endpoints)]
-        docs.append(
-            {
-                "apiVersion": "v1",
-                "kind": "Service",
-                "metadata": {"name": name, "namespace": "bench"},
-                "spec": {
-                    "clusterIP": vip,
-                    "clusterIPs": [vip],
-                    "ports": [{"name": "http", "port": 80, "protocol": "TCP", "targetPort": 8080}],
-                },
-            }
-        )
-        docs.append(
-            {
-                "apiVersion": "discovery.k8s.io/v1",
-                "kind": "EndpointSlice",
-                "metadata": {
-                    "name": f"{name}-abcde",
-                    "namespace": "bench",
-                    "labels": {"kubernetes.io/service-name": name},
-                },
-                "addressType": "IPv4",
-                "ports": [{"name": "http", "port": 8080, "protocol": "TCP"}],
-                "endpoints": [{"addresses": [a], "conditions": {"ready": True}} for a in addresses],
-            }
-        )
+        docs += [bench_service(name, vip), bench_endpoint_slice(name, addresses)]
     dumper = getattr(yaml, "CSafeDumper", yaml.SafeDumper)
     (directory / "services.yaml").write_text(yaml.dump_all(docs, Dumper=dumper))
     return real
