@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
-from kpr import host, runstate
+from kpr import conflicts, host, runstate
 from kpr.datapath import abi, loader
 from kpr.datapath.maps import BpfMaps, execute
 from kpr.datapath.plan import apply_plan, plan
@@ -125,6 +125,9 @@ class Agent:
         self.maps = BpfMaps(cfg.pin_dir)
         self.programmed = self.maps.read()
         self.state = runstate.RunState(str(cfg.pin_dir), str(cgroup), self.source.description)
+        self.state.conflicts = conflicts.kube_proxy_rules() + conflicts.foreign_programs(cgroup)
+        for conflict in self.state.conflicts:
+            log.warning("conflict: %s", conflict)
         self.state.save()
         log.info(
             "attached to cgroup %s; pinned maps in %s hold %d frontends, %d backends",
@@ -230,6 +233,16 @@ class Agent:
             gc.unfreeze()
             gc.collect()
             gc.freeze()
+            for name, (used, size) in self.map_fill().items():
+                if used >= abi.MAP_PRESSURE * size:
+                    log.warning(
+                        "map %s is %d%% full (%d of %d entries): raise its size before "
+                        "writes start failing",
+                        name,
+                        100 * used // size,
+                        used,
+                        size,
+                    )
             _return_free_memory()
         outcome = SyncResult(
             full=full,

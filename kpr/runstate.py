@@ -49,6 +49,7 @@ class RunState:
     problems: list[str] = field(default_factory=list)
     failed: list[str] = field(default_factory=list)
     watches: dict[str, dict] = field(default_factory=dict)  # the source's status
+    conflicts: list[str] = field(default_factory=list)  # found at start (kpr/conflicts.py)
     # seconds from the source's first complete list to the maps programmed
     first_sync_after_list: float | None = None
 

@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 
 from kpr import host, runstate
-from kpr.datapath import loader
+from kpr.datapath import abi, loader
 from kpr.datapath.maps import BpfMaps
 from kpr.datapath.plan import ProgrammedState
 
@@ -81,6 +81,7 @@ def report(pin_dir: Path) -> dict:
             "last_sync": state.last_sync,
             "problems": state.problems,
             "watches": state.watches,
+            "conflicts": state.conflicts,
             "failed": state.failed,
         }
     return {
@@ -134,7 +135,10 @@ def render(status: dict) -> str:
     lines.append("")
     lines.append("maps:")
     for name, m in status["maps"].items():
-        lines.append(f"  {name:<18} {m['entries']:>8} / {m['max_entries']:<8} {m['fill']:.1%}")
+        warning = "  NEARLY FULL" if m["fill"] >= abi.MAP_PRESSURE else ""
+        lines.append(
+            f"  {name:<18} {m['entries']:>8} / {m['max_entries']:<8} {m['fill']:.1%}{warning}"
+        )
     lines.append("")
     lines.append("counters:  " + ", ".join(f"{k}={v}" for k, v in status["counters"].items()))
     lines.append("")
@@ -143,6 +147,9 @@ def render(status: dict) -> str:
         lines.extend(f"  {d}" for d in status["drift"][:50])
     else:
         lines.append("drift:     none (maps match what the agent wants)")
+    if agent and agent.get("conflicts"):
+        lines.append(f"CONFLICTS ({len(agent['conflicts'])}):")
+        lines.extend(f"  {c}" for c in agent["conflicts"])
     if agent and agent["problems"]:
         lines.append(f"problems ({len(agent['problems'])}):")
         lines.extend(f"  {p}" for p in agent["problems"][:50])

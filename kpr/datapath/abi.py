@@ -169,6 +169,9 @@ MAPS: dict[str, MapSpec] = {
 }
 
 
+MAP_PRESSURE = 0.9  # a map this full is reported (log, `kpr status`) before writes fail
+
+
 @dataclass(frozen=True)
 class MapSizes:
     """max_entries of the maps; configurable, fixed once the maps are pinned."""

@@ -1,0 +1,65 @@
+"""What fights with kpr is found: kube-proxy's rules and other programs on its hooks.
+Rules are made in a network namespace of the test's own, never the machine's."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import uuid
+
+import pytest
+
+from kpr import conflicts
+from kpr.datapath import abi, bpfsys, loader
+
+
+@pytest.fixture
+def netns():
+    if shutil.which("ip") is None:
+        pytest.skip("needs iproute2")
+    name = f"kpr-conflict-{uuid.uuid4().hex[:8]}"
+    if subprocess.run(["ip", "netns", "add", name], capture_output=True).returncode:
+        pytest.skip("cannot make a network namespace (needs root)")
+    yield name
+    subprocess.run(["ip", "netns", "del", name], capture_output=True)
+
+
+def in_netns(netns: str, *argv: str) -> None:
+    subprocess.run(["ip", "netns", "exec", netns, *argv], check=True, capture_output=True)
+
+
+def test_kube_proxy_iptables_chains_are_found(netns):
+    if shutil.which("iptables") is None:
+        pytest.skip("needs iptables")
+    assert conflicts.kube_proxy_rules(netns) == []
+    in_netns(netns, "iptables", "-t", "nat", "-N", "KUBE-SERVICES")
+    found = conflicts.kube_proxy_rules(netns)
+    assert any("KUBE-SERVICES" in f and "iptables-save" in f for f in found), found
+
+
+def test_kube_proxy_nftables_table_is_found(netns):
+    if shutil.which("nft") is None:
+        pytest.skip("needs nft")
+    in_netns(netns, "nft", "add", "table", "ip", "kube-proxy")
+    found = conflicts.kube_proxy_rules(netns)
+    assert found == [
+        "kube-proxy's nftables `table ip kube-proxy` exists: remove it with kube-proxy"
+    ]
+
+
+def test_another_program_on_kprs_hooks_is_named_and_kprs_own_are_not(pin_dir, cgroup):
+    loader.load(pin_dir, cgroup, abi.MapSizes(1024, 1024, 1024, 1024, 1024))
+    assert conflicts.foreign_programs(cgroup) == []
+    from bcc import BPF
+
+    other = BPF(text="int other_lb(struct bpf_sock_addr *ctx) { return 1; }")
+    fn = other.load_func(b"other_lb", BPF.CGROUP_SOCK_ADDR, attach_type=10)  # connect4
+    fd = os.open(cgroup, os.O_RDONLY)
+    try:
+        bpfsys.prog_attach(fn.fd, fd, 10)
+        found = conflicts.foreign_programs(cgroup)
+        assert len(found) == 1 and "other_lb" in found[0] and "connect4" in found[0], found
+        bpfsys.prog_detach(fn.fd, fd, 10)
+    finally:
+        os.close(fd)
