@@ -20,11 +20,11 @@ from pathlib import Path
 from typing import Protocol
 
 from kpr import conflicts, host, runstate
-from kpr.datapath import abi, loader
+from kpr.datapath import abi, loader, sockets
 from kpr.datapath.maps import BpfMaps, execute
 from kpr.datapath.plan import apply_plan, plan
 from kpr.gcpause import paused_gc
-from kpr.model import Frontend, NodeContext, Problem, ServiceKey, Snapshot, Translation
+from kpr.model import Backend, Frontend, NodeContext, Problem, ServiceKey, Snapshot, Translation
 from kpr.translate import translate
 
 log = logging.getLogger("kpr")
@@ -96,6 +96,7 @@ class Agent:
         self.config = config
         self.observers = observers or []
         self.maps: BpfMaps | None = None
+        self.cgroup: Path | None = None
         self.node = config.node
         # the merged desired state, and which Service owns each frontend
         self.desired = Translation()
@@ -116,6 +117,7 @@ class Agent:
         _limit_malloc_arenas()
         cfg = self.config
         cgroup = host.require_cgroup2_dir(cfg.cgroup or host.cgroup2_root())
+        self.cgroup = cgroup
         host.ensure_bpffs(cfg.pin_dir)
         previous = runstate.load(cfg.pin_dir)
         loader.load(cfg.pin_dir, cgroup, cfg.sizes)
@@ -202,6 +204,7 @@ class Agent:
             touched = None
         problems = self.source_problems + self.desired.problems
         self._report(problems)
+        udp_before = self._udp_backends(touched)
         steps = plan(self.programmed, self.desired, touched)
         result = execute(self.maps, steps)
         if result.failed:
@@ -215,6 +218,7 @@ class Agent:
             self.programmed = self.maps.read()
         else:
             apply_plan(self.programmed, steps)
+        self._terminate_stale_udp(udp_before, touched)
         listed = getattr(self.source, "synced_at", None)
         if self.state.first_sync_after_list is None and listed:
             self.state.first_sync_after_list = time.time() - listed
@@ -269,6 +273,30 @@ class Agent:
         for observer in self.observers:
             observer.synced(outcome)
         return outcome
+
+    def _udp_backends(self, frontends: set[Frontend] | None) -> set[Backend]:
+        """Backends that UDP frontends (these, or all) send to in the maps."""
+        services = self.programmed.services
+        backends = self.programmed.backends
+        chosen = services if frontends is None else (f for f in frontends if f in services)
+        return {
+            backends[bid]
+            for frontend in chosen
+            if frontend.protocol == "UDP"
+            for bid in services[frontend].slots
+            if bid in backends
+        }
+
+    def _terminate_stale_udp(self, before: set[Backend], touched: set[Frontend] | None) -> None:
+        """Connected UDP sockets to backends no UDP frontend uses any more are destroyed,
+        off the sync path (it visits every network namespace of the cgroup)."""
+        gone = before - self._udp_backends(touched)
+        if gone:
+            gone -= self._udp_backends(None)
+        if gone and self.cgroup is not None:
+            threading.Thread(
+                target=sockets.terminate_udp, args=(gone, self.cgroup), daemon=True
+            ).start()
 
     def _save_state(self, wait: bool = False) -> None:
         """Write the run state file. Serialising 10,000 Services takes ~0.4 s, so

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import sys
+import time
 from collections import Counter
 
 import pytest
@@ -210,3 +211,27 @@ def test_client_ip_affinity_keeps_a_client_on_one_backend_until_it_leaves(cluste
 def test_without_affinity_one_client_spreads_over_backends(cluster):
     cluster.echo()
     assert len({r["pod"] for r in cluster.probe("tcp", VIP4, 80, "--count", 60)}) == 3
+
+
+def test_connected_udp_clients_move_off_a_removed_backend(cluster):
+    cluster.echo(pods=[0])
+    argv = [sys.executable, "-m", "kpr.lab.probe", "loop-udp-connected", VIP4, "53"]
+    client = cluster.lab.popen_client([*argv, "--duration", "3"], stdout=-1, text=True)
+    time.sleep(1.0)
+    cluster.echo(pods=[1])  # pod-0 keeps running: only kpr can move the client
+    summary = json.loads(client.communicate(timeout=30)[0])
+    pods = cluster.lab.pods
+    assert summary["pods"] == [pods[0].name, pods[1].name], summary
+    assert summary["errors"], "the socket to the removed backend was not terminated"
+
+
+def test_connected_udp_clients_of_remaining_backends_are_left_alone(cluster):
+    cluster.echo(pods=[0, 1])
+    argv = [sys.executable, "-m", "kpr.lab.probe", "loop-udp-connected", VIP4, "53"]
+    client = cluster.lab.popen_client([*argv, "--duration", "2.5"], stdout=-1, text=True)
+    time.sleep(0.8)
+    first = None
+    cluster.echo(pods=[0, 1, 2])  # a backend added: nothing to terminate
+    summary = json.loads(client.communicate(timeout=30)[0])
+    first = summary["pods"][0]
+    assert summary["pods"] == [first] and summary["errors"] == [], summary

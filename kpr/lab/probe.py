@@ -108,6 +108,34 @@ def loop_tcp(address: str, port: int, duration_s: float) -> dict:
     return {"total": sum(counts.values()) + len(errors), "counts": dict(counts), "errors": errors}
 
 
+def loop_udp_connected(address: str, port: int, duration_s: float) -> dict:
+    """A long-lived connected UDP client, like a DNS resolver's: one socket, used
+    until it fails, then a new one. Pods answered, in order, and the errors seen."""
+    pods: list[str] = []
+    errors = []
+    start = time.monotonic()
+    sock = None
+    while (now := time.monotonic()) - start < duration_s:
+        try:
+            if sock is None:
+                sock = socket.socket(family_of(address), socket.SOCK_DGRAM)
+                sock.settimeout(0.5)
+                sock.connect((address, port))
+            sock.send(b"probe\n")
+            pod = sock.recv(256).decode().strip()
+            if not pods or pods[-1] != pod:
+                pods.append(pod)
+        except OSError as exc:
+            errors.append({"t": round(now - start, 4), "error": errno_name(exc)})
+            if sock is not None:
+                sock.close()
+            sock = None
+        time.sleep(0.02)
+    if sock is not None:
+        sock.close()
+    return {"pods": pods, "errors": errors}
+
+
 def wait_listening(addresses: list[str], port: int, timeout_s: float) -> dict:
     """Poll until a TCP connect to every address succeeds; used by Lab set-up."""
     pending = list(addresses)
@@ -122,11 +150,11 @@ def wait_listening(addresses: list[str], port: int, timeout_s: float) -> dict:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     commands = parser.add_subparsers(dest="command", required=True)
-    for name in ("tcp", "udp-connected", "udp-unconnected", "loop-tcp"):
+    for name in ("tcp", "udp-connected", "udp-unconnected", "loop-tcp", "loop-udp-connected"):
         command = commands.add_parser(name)
         command.add_argument("address")
         command.add_argument("port", type=int)
-        if name == "loop-tcp":
+        if name.startswith("loop-"):
             command.add_argument("--duration", type=float, required=True, help="seconds")
         else:
             command.add_argument("--count", type=int, default=1)
@@ -146,6 +174,8 @@ def main(argv: list[str] | None = None) -> int:
         }
     elif args.command == "udp-unconnected":
         output = {"results": udp_unconnected(args.address, args.port, args.count, args.sockets)}
+    elif args.command == "loop-udp-connected":
+        output = loop_udp_connected(args.address, args.port, args.duration)
     elif args.command == "loop-tcp":
         output = loop_tcp(args.address, args.port, args.duration)
     else:
