@@ -97,6 +97,7 @@ class Agent:
         self.observers = observers or []
         self.maps: BpfMaps | None = None
         self.cgroup: Path | None = None
+        self.repairs = 0  # attachments put back
         self.node = config.node
         # the merged desired state, and which Service owns each frontend
         self.desired = Translation()
@@ -198,6 +199,7 @@ class Agent:
         full = full or touched is None
         drift = 0
         if full:
+            self._repair_attachments()
             reread = self.maps.read()
             drift = _drift(self.programmed, reread)
             self.programmed = reread
@@ -208,8 +210,10 @@ class Agent:
         steps = plan(self.programmed, self.desired, touched)
         result = execute(self.maps, steps)
         if result.failed:
+            names = [str(f) for f in result.failed]
             for error in sorted(set(result.errors)):
-                log.error("map write failed: %s", error)
+                if any(name in error for name in names):  # not those a retry wrote
+                    log.error("map write failed: %s", error)
             log.error(
                 "%d frontends keep their previous backends until the next sync: %s",
                 len(result.failed),
@@ -273,6 +277,21 @@ class Agent:
         for observer in self.observers:
             observer.synced(outcome)
         return outcome
+
+    def _repair_attachments(self) -> None:
+        """A hook detached behind kpr's back (bpftool cgroup detach, a cleanup script)
+        is attached again; the pinned programs are reused, nothing is compiled."""
+        if self.cgroup is None:
+            return
+        missing = [
+            h for h, ok in loader.attached_hooks(self.cgroup, self.config.pin_dir).items() if not ok
+        ]
+        if missing:
+            log.warning(
+                "programs detached behind kpr's back: %s; attaching them again", ", ".join(missing)
+            )
+            loader.reattach(self.config.pin_dir, self.cgroup, missing)
+            self.repairs += len(missing)
 
     def _udp_backends(self, frontends: set[Frontend] | None) -> set[Backend]:
         """Backends that UDP frontends (these, or all) send to in the maps."""

@@ -75,11 +75,19 @@ def run(
     sync_period: Annotated[
         float | None, typer.Option(help="Seconds: a full sync (repairing drift) this often.")
     ] = None,
+    map_sizes: Annotated[
+        str | None,
+        typer.Option(
+            help="Map capacities, e.g. services=1048576,backends=524288 (keys: services, "
+            "backends, revnat, sock_revnat, affinity). Fixed once the maps are pinned."
+        ),
+    ] = None,
     log_level: Annotated[str, typer.Option(help="debug, info, warning or error.")] = "info",
 ) -> None:
     """Run the agent: keep the BPF maps equal to the Services of the API server (or --source)."""
     from kpr.agent import Agent, AgentConfig
     from kpr.config import ConfigError, ProxyConfig, load_config, split_host_port
+    from kpr.datapath import abi
     from kpr.health import HealthServer, ProxyHealth
     from kpr.metrics import Metrics, MetricsServer
     from kpr.telemetry import Telemetry
@@ -128,6 +136,7 @@ def run(
         config = AgentConfig(
             pin_dir=bpffs,
             cgroup=cgroup,
+            sizes=abi.MapSizes.parse(map_sizes) if map_sizes else abi.MapSizes(),
             node=NodeContext(name=node, proxy_name=proxy_name),
             min_sync_period=proxy.min_sync_period,
             sync_period=proxy.sync_period,

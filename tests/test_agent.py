@@ -299,3 +299,45 @@ def test_a_config_that_does_not_parse_is_refused_naming_the_field(tmp_path):
     assert out.returncode == 2
     assert "iptables.syncPeriod" in out.stderr and "3x" in out.stderr
     assert "Traceback" not in out.stderr
+
+
+def test_a_full_map_fails_only_the_service_that_does_not_fit(lab, agent):
+    source = agent.log.parent / "manifests"
+    chosen = [str(p.ipv4) for p in lab.pods]
+    big = [f"10.250.0.{i}" for i in range(1, 11)]
+    kube.write(
+        source,
+        "services.yaml",
+        kube.service("echo", [VIP4], [("http", 80, "TCP")]),
+        kube.endpoint_slice("echo", chosen, [("http", 8080, "TCP")]),
+        kube.service("big", ["10.96.0.50"], [("http", 80, "TCP")]),
+        kube.endpoint_slice("big", big, [("http", 8080, "TCP")]),
+    )
+    agent.args += ["--map-sizes", "services=12"]  # echo takes 4 entries, big would take 11
+    agent.start()
+    agent.wait_synced()
+    results = json.loads(
+        lab.run_client(
+            [sys.executable, "-m", "kpr.lab.probe", "tcp", VIP4, "80", "--count", "20"]
+        ).stdout
+    )["results"]
+    assert all("pod" in r for r in results)
+    log = agent.log.read_text()
+    assert "map full" in log and "10.96.0.50:80/TCP" in log
+    status = json.loads(
+        subprocess.run(
+            [*KPR, "status", "--bpffs", str(agent.pin_dir), "--json"],
+            capture_output=True,
+            text=True,
+        ).stdout
+    )
+    assert status["maps"]["v1_services4"]["entries"] == 4  # big left nothing behind
+    assert status["agent"]["failed"] == ["10.96.0.50:80/TCP"]
+
+
+def test_map_sizes_that_do_not_parse_are_refused(tmp_path, pin_dir, cgroup):
+    out = run_kpr(
+        "run", "--source", str(tmp_path), "--cgroup", str(cgroup), "--bpffs", str(pin_dir),
+        "--map-sizes", "servces=10",
+    )  # fmt: skip
+    assert out.returncode == 2 and "unknown map 'servces'" in out.stderr

@@ -250,3 +250,23 @@ def test_topology_hints_follow_the_zone_of_this_node(lab, api, agent):
     node["metadata"]["labels"]["topology.kubernetes.io/zone"] = "zone-b"
     api.update(node)
     eventually(lambda: reached(lab, 40) == pods(lab, 1))
+
+
+def test_a_hook_detached_behind_the_agents_back_is_attached_again(lab, api, agent):
+    import os
+
+    from kpr.datapath import bpfsys, loader
+
+    agent.start()
+    echo(api, lab)
+    eventually(lambda: reached(lab) == pods(lab, 0, 1, 2))
+    hook = next(h for h in loader.HOOKS if h.pin == "connect4")
+    prog = bpfsys.obj_get(loader.prog_pin(agent.pin_dir, hook))
+    cgroup = os.open(lab.cgroup, os.O_RDONLY)
+    bpfsys.prog_detach(prog, cgroup, hook.attach_type)  # what `bpftool cgroup detach` does
+    os.close(cgroup)
+    os.close(prog)
+    assert not loader.attached_hooks(lab.cgroup, agent.pin_dir)["connect4"]
+    eventually(lambda: loader.attached_hooks(lab.cgroup, agent.pin_dir)["connect4"], timeout=10)
+    assert reached(lab) == pods(lab, 0, 1, 2)
+    assert "detached behind kpr's back: connect4" in agent.log.read_text()

@@ -192,3 +192,15 @@ def test_plans_for_only_the_changed_frontends_end_in_the_same_maps(sequence):
     referenced = {b for s in maps.read().services.values() for b in s.slots}
     assert set(maps.backends) == referenced  # no backend leaked by partial plans
     assert len(maps.revnat) == len(sequence[-1])
+
+
+def test_when_the_map_fills_the_services_that_fit_are_written_whole():
+    # 12 service entries: a needs 4 (master + 3 slots), b needs 11; the batch that
+    # writes every slot first fills the map, and then no master would fit
+    maps = MemoryMaps(capacity=12)
+    steps = plan(maps.read(), want(a=[1, 2, 3], b=list(range(4, 14))))
+    result = execute(maps, steps)
+    assert result.failed == {fe(2)}
+    assert served(maps) == {fe(1): {be(1), be(2), be(3)}}
+    assert not consistent(maps)
+    assert len(maps.services) == 4  # b left nothing behind

@@ -7,6 +7,7 @@ layouts against the types BCC compiles from it. Change both together.
 from __future__ import annotations
 
 import ctypes as ct
+import dataclasses
 import socket
 import struct
 from dataclasses import dataclass
@@ -181,6 +182,21 @@ class MapSizes:
     revnat: int = 65536
     sock_revnat: int = 65536  # LRU: preallocated, so kept modest
     affinity: int = 65536  # LRU: (client netns, service) pairs with ClientIP affinity
+
+    @classmethod
+    def parse(cls, text: str) -> MapSizes:
+        """ "services=1048576,backends=524288" → MapSizes; ValueError naming the bad part."""
+        sizes = {}
+        for part in text.split(","):
+            name, _, value = part.partition("=")
+            name = name.strip()
+            if name not in cls.__dataclass_fields__:
+                known = ", ".join(cls.__dataclass_fields__)
+                raise ValueError(f"--map-sizes: unknown map {name!r} (known: {known})")
+            if not value.strip().isdigit() or not 1 <= int(value) <= 1 << 26:
+                raise ValueError(f"--map-sizes: {name}={value!r} is not a size (1 to 67108864)")
+            sizes[name] = int(value)
+        return dataclasses.replace(cls(), **sizes)
 
     def max_entries(self, spec: MapSpec) -> int:
         return {

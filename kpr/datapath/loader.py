@@ -154,6 +154,21 @@ def detach(cgroup: Path) -> int:
     return count
 
 
+def reattach(pin_dir: Path, cgroup: Path, hooks: list[str]) -> None:
+    """Attach the pinned programs of `hooks` (by pin name) to `cgroup` again."""
+    cgroup_fd = os.open(cgroup, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        for hook in HOOKS:
+            if hook.pin in hooks:
+                fd = bpfsys.obj_get(prog_pin(pin_dir, hook))
+                try:
+                    bpfsys.prog_attach(fd, cgroup_fd, hook.attach_type)
+                finally:
+                    os.close(fd)
+    finally:
+        os.close(cgroup_fd)
+
+
 def attached_hooks(cgroup: Path, pin_dir: Path) -> dict[str, bool]:
     """For each hook: is the pinned program attached to `cgroup`?"""
     out = {}

@@ -8,6 +8,7 @@ ordering logic is tested without root. `execute` writes a Plan in order.
 from __future__ import annotations
 
 import ctypes as ct
+import errno
 import logging
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -17,7 +18,7 @@ from typing import NamedTuple, Protocol
 
 from kpr.datapath import abi, bpfsys
 from kpr.datapath.plan import Plan, ProgrammedService, ProgrammedState
-from kpr.model import Backend, Frontend
+from kpr.model import Backend, Frontend, by_key
 
 log = logging.getLogger(__name__)
 
@@ -109,6 +110,8 @@ def execute(maps: Maps, steps: Plan) -> WriteResult:
     maps.delete_services([(f, 0) for f in steps.master_deletes])
     maps.delete_services([key for key in steps.slot_deletes if key[0] not in failed])
     if failed:
+        failed = _one_by_one(maps, steps, failed)
+    if failed:
         # leave reverse entries and backends for the next full sync to collect:
         # a failed frontend's old slots may still name them
         result.failed = failed
@@ -116,6 +119,41 @@ def execute(maps: Maps, steps: Plan) -> WriteResult:
     maps.delete_revnat(steps.revnat_deletes)
     maps.delete_backends(steps.backend_deletes)
     return result
+
+
+def _one_by_one(maps: Maps, steps: Plan, failed: set[Frontend]) -> set[Frontend]:
+    """After a failed batch (a full map, mostly): free the slots the failed frontends
+    added, then write them again one frontend at a time, in order, each with its own
+    slots, reverse entry and master, so those that fit are served and one that does not
+    leaves nothing behind. What still fails is returned."""
+    slots: dict[Frontend, dict[int, int]] = {}
+    for (frontend, slot), bid in steps.slot_writes.items():
+        slots.setdefault(frontend, {})[slot] = bid
+    masters = {m.frontend: m for m in steps.master_writes}
+    revnat = {frontend: sid for sid, frontend in steps.revnat_writes.items()}
+
+    def added(frontend: Frontend) -> list[ServiceKey]:
+        old = steps.old_counts.get(frontend, 0)
+        return [(frontend, slot) for slot in slots.get(frontend, {}) if slot > old]
+
+    maps.delete_services([key for frontend in failed for key in added(frontend)])
+    still = set()
+    for frontend in sorted(failed, key=by_key):
+        entries = {(frontend, s): ServiceEntry(b) for s, b in slots.get(frontend, {}).items()}
+        ok = not maps.write_services(entries).failed
+        if ok and frontend in revnat:
+            ok = not maps.write_revnat({revnat[frontend]: frontend}).failed
+        if ok and frontend in masters:
+            m = masters[frontend]
+            master = ServiceEntry(0, m.count, m.service_id, m.affinity_timeout)
+            ok = not maps.write_services({(frontend, 0): master}).failed
+        if ok:
+            trim = [key for key in steps.slot_deletes if key[0] == frontend]
+            maps.delete_services(trim)
+        else:
+            maps.delete_services(added(frontend))
+            still.add(frontend)
+    return still
 
 
 class MemoryMaps:
@@ -240,6 +278,20 @@ def _pack_addresses(
     return out
 
 
+def _why(err: OSError) -> str:
+    # a hash map at max_entries answers E2BIG ("Argument list too long")
+    if err.errno == errno.E2BIG:
+        return "map full (raise its size with --map-sizes)"
+    return err.strerror or str(err)
+
+
+def _label(key: object) -> str:
+    if isinstance(key, tuple):  # (frontend, slot)
+        frontend, slot = key
+        return f"{frontend} {'master' if slot == 0 else f'slot {slot}'}"
+    return f"id {key}"
+
+
 class BpfMaps:
     """The pinned kernel maps of one pin directory."""
 
@@ -317,7 +369,7 @@ class BpfMaps:
                         pinned.update_packed(entries[i][1], entries[i][2])
                     except OSError as one:
                         result.failed.add(labels[i])
-                        result.errors.append(f"{name}: {one.strerror} ({labels[i]})")
+                        result.errors.append(f"{pinned.name}: {_why(one)} ({_label(labels[i])})")
         return result
 
     def _delete(self, entries: list[tuple[str, bytes, bytes]]) -> None:

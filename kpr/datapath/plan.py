@@ -73,13 +73,15 @@ class Plan:
     slot_deletes: list[tuple[Frontend, int]] = field(default_factory=list)
     revnat_deletes: dict[int, Frontend] = field(default_factory=dict)
     backend_deletes: dict[int, Backend] = field(default_factory=dict)
+    # slots each frontend had before (0: new), so a failed write can free what it added
+    old_counts: dict[Frontend, int] = field(default_factory=dict)
 
     def is_empty(self) -> bool:
-        return not any(vars(self).values())
+        return self.writes() == 0
 
     def writes(self) -> int:
         """Map operations this plan makes."""
-        return sum(len(v) for v in vars(self).values())
+        return sum(len(v) for k, v in vars(self).items() if k != "old_counts")
 
 
 def assign_slots(current: list[int], wanted: list[int]) -> list[int]:
@@ -147,6 +149,7 @@ def plan(
             out.master_writes.append(
                 Master(frontend, len(wanted), next_service_id, state.affinity_timeout)
             )
+            out.old_counts[frontend] = 0
             continue
         service_id = current.service_id
         old_slots = current.slots
@@ -158,6 +161,7 @@ def plan(
                 out.slot_writes[(frontend, i)] = bid
         if programmed.revnat.get(service_id) != frontend:
             out.revnat_writes[service_id] = frontend
+        out.old_counts[frontend] = len(old_slots)
         if len(old_slots) != len(slots) or current.affinity_timeout != state.affinity_timeout:
             out.master_writes.append(
                 Master(frontend, len(slots), service_id, state.affinity_timeout)
