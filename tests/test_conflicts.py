@@ -53,7 +53,7 @@ def test_another_program_on_kprs_hooks_is_named_and_kprs_own_are_not(pin_dir, cg
     assert conflicts.foreign_programs(cgroup) == []
     from bcc import BPF
 
-    other = BPF(text="int other_lb(struct bpf_sock_addr *ctx) { return 1; }")
+    other = BPF(text=b"int other_lb(struct bpf_sock_addr *ctx) { return 1; }")
     fn = other.load_func(b"other_lb", BPF.CGROUP_SOCK_ADDR, attach_type=10)  # connect4
     fd = os.open(cgroup, os.O_RDONLY)
     try:
