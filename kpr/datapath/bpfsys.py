@@ -58,6 +58,7 @@ _libbpf.bpf_prog_query.argtypes = [
     ct.POINTER(ct.c_uint32),
 ]
 _libbpf.libbpf_num_possible_cpus.argtypes = []
+_libbpf.bpf_enable_stats.argtypes = [ct.c_int]
 
 BPF_ANY = 0
 BPF_F_ALLOW_MULTI = 2
@@ -81,6 +82,12 @@ def obj_get(path: Path) -> int:
 
 def obj_pin(fd: int, path: Path) -> None:
     _check(_libbpf.bpf_obj_pin(fd, str(path).encode()), f"pin {path}")
+
+
+def enable_run_time_stats() -> int:
+    """BPF_ENABLE_STATS(BPF_STATS_RUN_TIME): programs count run time while the
+    returned fd is open (close it to stop)."""
+    return _check(_libbpf.bpf_enable_stats(0), "enable BPF run-time stats")
 
 
 def num_possible_cpus() -> int:

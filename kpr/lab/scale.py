@@ -25,7 +25,7 @@ import yaml
 
 from kpr import host, runstate
 from kpr.agent import Agent, AgentConfig
-from kpr.datapath import loader
+from kpr.datapath import bpfsys, loader
 from kpr.lab.latency import measure
 from kpr.lab.netns import Lab
 from kpr.model import NodeContext
@@ -137,7 +137,17 @@ def agent_process(directory: Path, lab: Lab, pin_dir: Path) -> dict:
         agent.wait(timeout=30)
 
 
-def latency(lab: Lab, vips: list[str], rounds: int, count: int) -> dict:
+def hook_cost(pin_dir: Path) -> tuple[int, int]:
+    """(run_time_ns, run_cnt) of the pinned connect4 program, from bpftool."""
+    pin = loader.prog_pin(pin_dir, next(h for h in loader.HOOKS if h.pin == "connect4"))
+    shown = subprocess.run(
+        ["bpftool", "prog", "show", "pinned", str(pin), "-j"], capture_output=True, text=True
+    )
+    info = json.loads(shown.stdout or "{}")
+    return info.get("run_time_ns", 0), info.get("run_cnt", 0)
+
+
+def latency(lab: Lab, vips: list[str], rounds: int, count: int, pin_dir: Path) -> dict:
     """Connect latency to the ClusterIPs and directly to the pods, in rounds
     A B B A ..., so drift in machine load and order effects hit both alike. The
     ratio is the median of the per-round ratios: the machine is shared and
@@ -145,10 +155,21 @@ def latency(lab: Lab, vips: list[str], rounds: int, count: int) -> dict:
     direct_targets = [(str(p.ipv4), lab.port) for p in lab.pods]
     vip_targets = [(v, 80) for v in vips]
     direct, kpr = [], []
-    for i in range(rounds):
-        pair = [(direct, direct_targets), (kpr, vip_targets)]
-        for runs, targets in pair if i % 2 == 0 else reversed(pair):
-            runs.append(measure(lab, targets, count))
+    # the kernel's own accounting of the hook's run time, enabled only while this
+    # fd is open: the datapath's cost per connect, free of the machine's noise
+    stats_fd = bpfsys.enable_run_time_stats()
+    cost = {"direct": [0, 0], "kpr": [0, 0]}
+    try:
+        for i in range(rounds):
+            pair = [("direct", direct, direct_targets), ("kpr", kpr, vip_targets)]
+            for name, runs, targets in pair if i % 2 == 0 else reversed(pair):
+                before = hook_cost(pin_dir)
+                runs.append(measure(lab, targets, count))
+                after = hook_cost(pin_dir)
+                cost[name][0] += after[0] - before[0]
+                cost[name][1] += after[1] - before[1]
+    finally:
+        os.close(stats_fd)
     for runs in (direct, kpr):
         failures = sum(r["failures"] for r in runs)
         if failures:
@@ -160,6 +181,9 @@ def latency(lab: Lab, vips: list[str], rounds: int, count: int) -> dict:
         out[f"direct_{key}_us"] = statistics.median(d)
         out[f"kpr_{key}_us"] = statistics.median(k)
         out[f"kpr_{key}_ratio"] = statistics.median(b / a for a, b in zip(d, k, strict=True))
+    # connect4 runs on every connect from the cgroup: a miss for direct ones
+    out["hook_ns_per_direct_connect"] = cost["direct"][0] / max(1, cost["direct"][1])
+    out["hook_ns_per_service_connect"] = cost["kpr"][0] / max(1, cost["kpr"][1])
     return out
 
 
@@ -185,7 +209,7 @@ def main(argv: list[str] | None = None) -> int:
             runstate.remove(pin_dir)
             host.ensure_bpffs(pin_dir)
             figures["agent"] = agent_process(Path(tmp), lab, pin_dir)
-            figures["latency"] = latency(lab, real, args.rounds, args.connections)
+            figures["latency"] = latency(lab, real, args.rounds, args.connections, pin_dir)
         finally:
             loader.detach(lab.cgroup)
             loader.unpin_all(pin_dir)
