@@ -231,15 +231,15 @@ class Agent:
             # the partial path it is left to the run loop, once things are quiet
             self._unsaved = (result.failed, problems, time.time())
             if full:
-                self._save_state(wait=True)
+                self._save_state()
         now = time.time()
         self.last_sync = now
         if full:
             self.last_full = now
             # the state just built lives long: keep the cyclic GC from walking its
-            # hundreds of thousands of objects again and again (pauses of 10s of ms)
-            gc.unfreeze()
-            gc.collect()
+            # hundreds of thousands of objects again and again (pauses of 10s of ms).
+            # Frozen objects are still freed by reference counting when they die;
+            # the objects kpr builds hold no reference cycles.
             gc.freeze()
             for name, (used, size) in self.map_fill().items():
                 if used >= abi.MAP_PRESSURE * size:

@@ -178,7 +178,7 @@ class MapSizes:
     """max_entries of the maps; configurable, fixed once the maps are pinned."""
 
     services: int = 524288  # masters + slots: 30,000 services x 10 endpoints fit
-    backends: int = 262144
+    backends: int = 524288  # 30,000 services x 10 distinct endpoints fit
     revnat: int = 65536
     sock_revnat: int = 65536  # LRU: preallocated, so kept modest
     affinity: int = 65536  # LRU: (client netns, service) pairs with ClientIP affinity
