@@ -103,6 +103,12 @@ def loop_client(lab: Lab, seconds: float) -> subprocess.Popen:
     return lab.popen_client(argv, stdout=subprocess.PIPE, text=True)
 
 
+def tcp_results(lab: Lab, count: int) -> list[dict]:
+    """`count` TCP connects to the echo ClusterIP from the lab's client cgroup."""
+    argv = [sys.executable, "-m", "kpr.lab.probe", "tcp", VIP4, "80", "--count", str(count)]
+    return json.loads(lab.run_client(argv).stdout)["results"]
+
+
 def snapshot_maps(pin_dir: Path):
     maps = BpfMaps(pin_dir)
     try:
@@ -141,11 +147,7 @@ def test_restart_applies_changes_made_while_the_agent_was_down(lab, agent):
     echo(lab, source, pods=(2,))
     agent.start()
     agent.wait_synced()
-    results = json.loads(
-        lab.run_client(
-            [sys.executable, "-m", "kpr.lab.probe", "tcp", VIP4, "80", "--count", "30"]
-        ).stdout
-    )["results"]
+    results = tcp_results(lab, 30)
     assert {r["pod"] for r in results} == {lab.pods[2].name}
 
 
@@ -161,11 +163,7 @@ def test_a_bad_edit_is_reported_and_what_was_programmed_keeps_working(lab, agent
     problems = "\n".join(state.problems)
     assert "broken.yaml" in problems
     assert "Service default/bad" in problems and "spec.ports[0].port" in problems
-    results = json.loads(
-        lab.run_client(
-            [sys.executable, "-m", "kpr.lab.probe", "tcp", VIP4, "80", "--count", "20"]
-        ).stdout
-    )["results"]
+    results = tcp_results(lab, 20)
     assert all("pod" in r for r in results)
     assert "broken.yaml" in agent.log.read_text()
 
@@ -225,11 +223,7 @@ def test_cleanup_detaches_and_removes_every_pin(lab, agent):
     assert "detached 8 programs" in out.stdout
     assert not agent.pin_dir.exists()
     assert runstate.load(agent.pin_dir) is None
-    results = json.loads(
-        lab.run_client(
-            [sys.executable, "-m", "kpr.lab.probe", "tcp", VIP4, "80", "--count", "1"]
-        ).stdout
-    )["results"]
+    results = tcp_results(lab, 1)
     assert "error" in results[0]  # the ClusterIP means nothing without kpr
 
 
@@ -316,11 +310,7 @@ def test_a_full_map_fails_only_the_service_that_does_not_fit(lab, agent):
     agent.args += ["--map-sizes", "services=12"]  # echo takes 4 entries, big would take 11
     agent.start()
     agent.wait_synced()
-    results = json.loads(
-        lab.run_client(
-            [sys.executable, "-m", "kpr.lab.probe", "tcp", VIP4, "80", "--count", "20"]
-        ).stdout
-    )["results"]
+    results = tcp_results(lab, 20)
     assert all("pod" in r for r in results)
     log = agent.log.read_text()
     assert "map full" in log and "10.96.0.50:80/TCP" in log
