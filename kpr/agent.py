@@ -227,7 +227,7 @@ class Agent:
         if self.state.first_sync_after_list is None and listed:
             self.state.first_sync_after_list = time.time() - listed
         if full or steps.writes():
-            # serialising the whole desired state costs ~10 ms per 1,000 services: on
+            # serialising the whole desired state grows with the Services: on
             # the partial path it is left to the run loop, once things are quiet
             self._unsaved = (result.failed, problems, time.time())
             if full:
@@ -318,7 +318,7 @@ class Agent:
             ).start()
 
     def _save_state(self, wait: bool = False) -> None:
-        """Write the run state file. Serialising 10,000 Services takes ~0.4 s, so
+        """Write the run state file. Serialising it grows with the Services, so
         after partial syncs it is written from a copy by a background thread."""
         if self._saver is not None and self._saver.is_alive():
             if not wait:

@@ -109,6 +109,15 @@ def tcp_results(lab: Lab, count: int) -> list[dict]:
     return json.loads(lab.run_client(argv).stdout)["results"]
 
 
+def status_json(pin_dir: Path) -> dict:
+    """`kpr status --json`, which must succeed."""
+    out = subprocess.run(
+        [*KPR, "status", "--bpffs", str(pin_dir), "--json"], capture_output=True, text=True
+    )
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout)
+
+
 def snapshot_maps(pin_dir: Path):
     maps = BpfMaps(pin_dir)
     try:
@@ -173,11 +182,7 @@ def test_status_reads_the_pinned_maps_with_the_agent_stopped(lab, agent):
     agent.start()
     agent.wait_synced()
     agent.kill(signal.SIGKILL)
-    out = subprocess.run(
-        [*KPR, "status", "--bpffs", str(agent.pin_dir), "--json"], capture_output=True, text=True
-    )
-    assert out.returncode == 0, out.stderr
-    status = json.loads(out.stdout)
+    status = status_json(agent.pin_dir)
     assert status["agent"]["running"] is False
     assert all(status["attached"].values())
     frontends = {s["frontend"]: s for s in status["services"]}
@@ -201,13 +206,7 @@ def test_status_reports_drift_made_behind_the_agents_back(lab, agent):
     frontend = next(f for f in state.services if str(f) == f"{VIP4}:80/TCP")
     maps.delete_services([(frontend, 0)])
     maps.close()
-    status = json.loads(
-        subprocess.run(
-            [*KPR, "status", "--bpffs", str(agent.pin_dir), "--json"],
-            capture_output=True,
-            text=True,
-        ).stdout
-    )
+    status = status_json(agent.pin_dir)
     assert any(f"{VIP4}:80/TCP" in d and "missing" in d for d in status["drift"])
 
 
@@ -314,13 +313,7 @@ def test_a_full_map_fails_only_the_service_that_does_not_fit(lab, agent):
     assert all("pod" in r for r in results)
     log = agent.log.read_text()
     assert "map full" in log and "10.96.0.50:80/TCP" in log
-    status = json.loads(
-        subprocess.run(
-            [*KPR, "status", "--bpffs", str(agent.pin_dir), "--json"],
-            capture_output=True,
-            text=True,
-        ).stdout
-    )
+    status = status_json(agent.pin_dir)
     assert status["maps"]["v1_services4"]["entries"] == 4  # big left nothing behind
     assert status["agent"]["failed"] == ["10.96.0.50:80/TCP"]
 

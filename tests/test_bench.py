@@ -3,6 +3,7 @@ loaded by the real tools, and a small bench run end to end."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -198,15 +199,7 @@ def test_rulesets_load(throwaway_netns, argv):
     if shutil.which(argv[0]) is None:
         pytest.skip(f"{argv[0]} not installed")
     old = SERVICES[0]
-    new = ServicePort(
-        old.namespace,
-        old.name,
-        old.port_name,
-        old.protocol,
-        old.cluster_ip,
-        old.port,
-        (("10.180.9.9", 80), old.endpoints[1]),
-    )
+    new = dataclasses.replace(old, endpoints=(("10.180.9.9", 80), old.endpoints[1]))
     if argv[0] == "nft":
         full, partial = _nftables(), rules.nft_partial(old, new, CLUSTER_CIDR)
     else:

@@ -20,7 +20,7 @@ from kpr.datapath.maps import BpfMaps
 from kpr.lab.netns import Lab
 from tests import kube
 from tests.apiserver import TestApiServer
-from tests.test_agent import KPR, AgentProcess
+from tests.test_agent import KPR, AgentProcess, status_json
 
 VIP = "10.96.0.10"
 
@@ -142,10 +142,7 @@ def test_services_follow_the_api_server_create_scale_update_delete(lab, api, age
 
 
 def agent_status(agent: KubeAgent) -> dict:
-    out = subprocess.run(
-        [*KPR, "status", "--bpffs", str(agent.pin_dir), "--json"], capture_output=True, text=True
-    )
-    status = json.loads(out.stdout)
+    status = status_json(agent.pin_dir)
     status["frontends"] = {s["frontend"]: s for s in status["services"]}
     return status
 

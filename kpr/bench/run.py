@@ -28,7 +28,7 @@ conntrack on, which would tax every mode measured after it; the round's lab is t
 from __future__ import annotations
 
 import contextlib
-import hashlib
+import dataclasses
 import itertools
 import json
 import logging
@@ -51,7 +51,7 @@ import yaml
 from kpr import host, runstate
 from kpr.bench import kubeproxy_rules as rules
 from kpr.bench.kubeproxy_rules import ServicePort
-from kpr.lab.latency import measure
+from kpr.lab.latency import build_c_program, measure
 from kpr.lab.netns import Lab
 
 MODES = ("direct", "iptables", "iptables-legacy", "nftables", "kpr")
@@ -175,14 +175,8 @@ def changed_service(services: ServiceSet, endpoints: int) -> dict[int, ServicePo
     changed = {}
     for i, old in enumerate(services.ports):
         if old.name == name:
-            changed[i] = ServicePort(
-                old.namespace,
-                old.name,
-                old.port_name,
-                old.protocol,
-                old.cluster_ip,
-                old.port,
-                ((new_ip, old.endpoints[0][1]), *old.endpoints[1:]),
+            changed[i] = dataclasses.replace(
+                old, endpoints=((new_ip, old.endpoints[0][1]), *old.endpoints[1:])
             )
     return changed
 
@@ -504,27 +498,8 @@ usage:
 
 
 def build_loadgen() -> Path:
-    """Compile LOADGEN_C unless a binary of this exact source is cached."""
-    digest = hashlib.sha256(LOADGEN_C.encode()).hexdigest()[:16]
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    binary = Path(base) / "kpr" / f"bench-loadgen-{digest}"
-    if binary.exists():
-        return binary
-    binary.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=binary.parent) as build_dir:
-        source = Path(build_dir) / "loadgen.c"
-        source.write_text(LOADGEN_C)
-        built = Path(build_dir) / binary.name
-        done = subprocess.run(
-            ["gcc", "-O2", "-Wall", "-Wextra", "-Werror", "-o", str(built), str(source)],
-            capture_output=True,
-            text=True,
-            check=False,
-        )
-        if done.returncode != 0:
-            raise RuntimeError(f"building the bench load tool failed:\n{done.stderr}")
-        os.replace(built, binary)  # atomic: concurrent builders never see half a file
-    return binary
+    """The bench's load tool, built from LOADGEN_C."""
+    return build_c_program("bench-loadgen", LOADGEN_C)
 
 
 class BenchLab:

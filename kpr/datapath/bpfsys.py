@@ -217,7 +217,7 @@ class PinnedMap:
 
     def dump(self, chunk: int = 8192) -> Iterator[tuple[bytes, bytes, int]]:
         """Every entry, as (packed keys, packed values, count) chunks: one syscall per
-        chunk instead of two per entry (3.4 s → a fraction at 220,000 entries)."""
+        chunk instead of two syscalls per entry."""
         key_size, value_size = self.info.key_size, self.info.value_size
         keys = ct.create_string_buffer(key_size * chunk)
         values = ct.create_string_buffer(value_size * chunk)

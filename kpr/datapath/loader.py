@@ -202,8 +202,8 @@ def unpin_all(pin_dir: Path) -> None:
 
 
 def load(pin_dir: Path, cgroup: Path, sizes: abi.MapSizes) -> None:
-    """Compile, pin and attach in a child process: BCC and its LLVM take some
-    130 MB that the agent never needs again once the programs are loaded."""
+    """Compile, pin and attach in a child process: BCC and its LLVM are large, and
+    the agent never needs them again once the programs are loaded."""
     argv = [sys.executable, "-m", "kpr.datapath.loader", str(pin_dir), str(cgroup)]
     argv.append(json.dumps(dataclasses.asdict(sizes)))
     result = subprocess.run(argv, capture_output=True, text=True)

@@ -23,26 +23,33 @@ def _cache_dir() -> Path:
     return Path(base) / "kpr"
 
 
-def build_client() -> Path:
-    """Compile connect_latency.c unless a binary of this exact source is cached; return its path."""
-    source = SOURCE.read_bytes()
-    binary = _cache_dir() / f"connect_latency-{hashlib.sha256(source).hexdigest()[:16]}"
+def build_c_program(name: str, source: str) -> Path:
+    """Compile a small C helper unless a binary of this exact source is cached under
+    ~/.cache/kpr (or $XDG_CACHE_HOME/kpr); its path."""
+    binary = _cache_dir() / f"{name}-{hashlib.sha256(source.encode()).hexdigest()[:16]}"
     if binary.exists():
         return binary
     binary.parent.mkdir(parents=True, exist_ok=True)
     # Build beside the target and rename: concurrent builders never see a half-written file.
     with tempfile.TemporaryDirectory(dir=binary.parent) as build_dir:
+        source_file = Path(build_dir) / f"{name}.c"
+        source_file.write_text(source)
         built = Path(build_dir) / binary.name
         compiled = subprocess.run(
-            ["gcc", "-O2", "-Wall", "-Wextra", "-Werror", "-o", str(built), str(SOURCE)],
+            ["gcc", "-O2", "-Wall", "-Wextra", "-Werror", "-o", str(built), str(source_file)],
             capture_output=True,
             text=True,
             check=False,
         )
         if compiled.returncode != 0:
-            raise RuntimeError(f"building {SOURCE.name} failed:\n{compiled.stderr}")
+            raise RuntimeError(f"building {name}.c failed:\n{compiled.stderr}")
         os.replace(built, binary)
     return binary
+
+
+def build_client() -> Path:
+    """The connect-latency client, built from connect_latency.c."""
+    return build_c_program("connect_latency", SOURCE.read_text())
 
 
 def measure(lab: Lab, targets: list[tuple[str, int]], count: int) -> dict:
