@@ -9,7 +9,9 @@
  *   KPR_BACKEND_MAX    entries of each backend map
  *   KPR_REVNAT_MAX     entries of each service-id -> frontend map
  *   KPR_SOCK_REVNAT_MAX  entries of each per-socket reverse map (LRU)
- *   KPR_AFFINITY_MAX   entries of the session affinity map (LRU)
+ *   KPR_AFFINITY_MAX   entries of the session affinity maps (LRU)
+ *   KPR_CT_MAX         entries of each TC connection-tracking map (LRU)
+ *   KPR_SOURCE_RANGE_MAX  entries of the loadBalancerSourceRanges map
  */
 #ifndef KPR_H
 #define KPR_H
@@ -24,6 +26,14 @@
 
 /* Frontend flags (struct kpr_service.flags, master entry). */
 #define KPR_SVC_F_NONE 0
+#define KPR_SVC_F_SOURCE_RANGES (1 << 0) /* only sources in kpr_source_ranges */
+
+/* Which clients a frontend entry serves (service key .scope). A NodePort,
+ * LoadBalancer IP or external IP has an entry in each: processes and pods on
+ * the node reach every endpoint, while external traffic follows
+ * externalTrafficPolicy (Local: this node's endpoints only). */
+#define KPR_SCOPE_SOCKET 0   /* cgroup hooks: connect/sendmsg on this node */
+#define KPR_SCOPE_EXTERNAL 1 /* TC: packets arriving on the node's devices */
 
 /* Outcome counters: index into the per-CPU stats array. */
 enum kpr_outcome {
@@ -32,16 +42,19 @@ enum kpr_outcome {
 	KPR_STAT_BACKEND_MISSING = 2, /* slot or backend entry absent: map error */
 	KPR_STAT_REVERSED = 3,      /* recvmsg/getpeername shown the service address */
 	KPR_STAT_REVNAT_FULL = 4,   /* per-socket reverse entry could not be written */
+	KPR_STAT_EXT_TRANSLATED = 5, /* TC: a new external flow given a backend */
+	KPR_STAT_EXT_REJECTED = 6,  /* TC: no endpoints (or no NAT port): ICMP unreachable */
+	KPR_STAT_EXT_DENIED = 7,    /* TC: source outside loadBalancerSourceRanges: dropped */
 	KPR_STAT_MAX = 8,
 };
 
 /* Addresses are byte arrays in network order and ports are in host order, so
  * `bpftool map dump` shows them as people read them ([10,96,0,10], 80). */
 struct kpr_service4_key {
-	__u8 address[4];  /* ClusterIP */
+	__u8 address[4];  /* ClusterIP, node address, LoadBalancer IP or external IP */
 	__u16 port;
 	__u8 protocol;    /* IPPROTO_TCP / IPPROTO_UDP */
-	__u8 pad;
+	__u8 scope;       /* KPR_SCOPE_* */
 	__u16 slot;       /* 0: master entry, 1..count: backend slots */
 	__u16 pad2;
 };
@@ -50,7 +63,7 @@ struct kpr_service6_key {
 	__u8 address[16];
 	__u16 port;
 	__u8 protocol;
-	__u8 pad;
+	__u8 scope;
 	__u16 slot;
 	__u16 pad2;
 };
@@ -133,6 +146,76 @@ struct kpr_affinity {
 	__u16 pad;
 };
 
+/* --- TC datapath (bpf/nodeport.c): NodePort, LoadBalancer, external IPs --- */
+
+/* One flow's addresses as a packet carries them. Both families share the
+ * layout (IPv4 in the first 4 bytes of each address, the rest zero). */
+struct kpr_flow_key {
+	__u8 saddr[16];
+	__u8 daddr[16];
+	__u16 sport;
+	__u16 dport;
+	__u8 protocol;
+	__u8 family;      /* 4 or 6 */
+	__u16 pad;
+};
+
+#define KPR_CT_F_SNAT (1 << 0) /* source translated to a node address (remote backend) */
+
+/* kpr_ct: client -> frontend flow as it arrives -> where its packets go.
+ * Every packet of a flow follows its first packet's choice. */
+struct kpr_ct {
+	__u8 backend_address[16];
+	__u8 nat_address[16];  /* KPR_CT_F_SNAT: the node address the backend sees */
+	__u16 backend_port;
+	__u16 nat_port;
+	__u32 backend_id;
+	__u32 service_id;
+	__u32 flags;
+	__u64 last_seen_ns;
+};
+
+/* kpr_nat: backend -> client (or -> nat address:port) reply as it arrives ->
+ * the frontend (and client) to restore. */
+struct kpr_nat {
+	__u8 frontend_address[16];
+	__u8 client_address[16];
+	__u16 frontend_port;
+	__u16 client_port;
+	__u32 flags;
+	__u64 last_seen_ns;
+};
+
+/* kpr_devices: the devices the TC program is on, with the address a remote
+ * backend sees as source (Cluster policy). A backend routed through one of
+ * these devices is remote. Zero address: that family is not masqueraded. */
+struct kpr_device {
+	__u8 address4[4];
+	__u8 address6[16];
+	__u32 pad;
+};
+
+/* sessionAffinity ClientIP on the TC path: the client is its source address. */
+struct kpr_affinity_ext_key {
+	__u8 address[16];
+	__u32 service_id;
+};
+
+/* loadBalancerSourceRanges, an LPM trie: prefixlen counts the 32 bits of
+ * service_id plus the range's prefix length. */
+struct kpr_source_range_key {
+	__u32 prefixlen;
+	__u32 service_id;
+	__u8 address[16];
+};
+
+/* NodePorts in use (bind4/bind6 refuse local binds that would shadow them). */
+struct kpr_node_port_key {
+	__u16 port;
+	__u8 protocol;
+	__u8 pad;
+};
+
 #define KPR_PIN(name) KPR_PIN_DIR "/v1_" name
 
 BPF_TABLE_PINNED("hash", struct kpr_service4_key, struct kpr_service, kpr_services4,
@@ -157,5 +240,17 @@ BPF_TABLE_PINNED("sk_storage", int, struct kpr_sock_peer, kpr_sock_peer, 0,
 		 KPR_PIN("sock_peer"), BPF_F_NO_PREALLOC);
 BPF_TABLE_PINNED("percpu_array", __u32, __u64, kpr_stats, KPR_STAT_MAX,
 		 KPR_PIN("stats"));
+BPF_TABLE_PINNED("lru_hash", struct kpr_flow_key, struct kpr_ct, kpr_ct, KPR_CT_MAX,
+		 KPR_PIN("ct"));
+BPF_TABLE_PINNED("lru_hash", struct kpr_flow_key, struct kpr_nat, kpr_nat, KPR_CT_MAX,
+		 KPR_PIN("nat"));
+BPF_TABLE_PINNED("hash", __u32, struct kpr_device, kpr_devices, 256, KPR_PIN("devices"),
+		 BPF_F_NO_PREALLOC);
+BPF_TABLE_PINNED("lru_hash", struct kpr_affinity_ext_key, struct kpr_affinity,
+		 kpr_affinity_ext, KPR_AFFINITY_MAX, KPR_PIN("affinity_ext"));
+BPF_TABLE_PINNED("lpm_trie", struct kpr_source_range_key, __u8, kpr_source_ranges,
+		 KPR_SOURCE_RANGE_MAX, KPR_PIN("source_ranges"), BPF_F_NO_PREALLOC);
+BPF_TABLE_PINNED("hash", struct kpr_node_port_key, __u8, kpr_node_ports, 65536,
+		 KPR_PIN("node_ports"), BPF_F_NO_PREALLOC);
 
 #endif /* KPR_H */

@@ -10,9 +10,10 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from ipaddress import IPv4Address, IPv6Address
+from ipaddress import IPv4Address, IPv4Network, IPv6Address, IPv6Network
 
 IPAddress = IPv4Address | IPv6Address
+IPNetwork = IPv4Network | IPv6Network
 
 PROTOCOLS = ("TCP", "UDP")
 
@@ -56,6 +57,10 @@ class Service:
     affinity_timeout: int = 10800
     internal_traffic_policy: str = "Cluster"
     external_traffic_policy: str = "Cluster"
+    # status.loadBalancer.ingress[].ip, except those with ipMode Proxy
+    load_balancer_ips: tuple[IPAddress, ...] = ()
+    load_balancer_source_ranges: tuple[IPNetwork, ...] = ()
+    health_check_node_port: int | None = None
 
     @property
     def ref(self) -> ObjectRef:
@@ -104,6 +109,9 @@ class NodeContext:
     name: str | None = None
     zone: str | None = None
     proxy_name: str = "kpr"  # Services labelled service-proxy-name=<this> are ours too
+    # where NodePorts are served: the node's addresses narrowed by nodePortAddresses
+    node_port_addresses: tuple[IPAddress, ...] = ()
+    localhost_node_ports: bool = True  # also 127.0.0.1, for processes on the node
 
 
 # --- Desired datapath state ----------------------------------------------------------
@@ -117,20 +125,28 @@ def by_key(item: Frontend | Backend) -> tuple:
     return item.sort_key()
 
 
+# Which clients a frontend serves; mirrors KPR_SCOPE_* in bpf/kpr.h.
+SOCKET = 0  # processes and pods on this node, at the socket (cgroup hooks)
+EXTERNAL = 1  # packets arriving on the node's devices (TC)
+
+
 @dataclass(frozen=True, slots=True, eq=False)
 class Frontend:
-    """One address:port/protocol the datapath answers for."""
+    """One address:port/protocol the datapath answers for, for one kind of client."""
 
     address: IPAddress
     port: int
     protocol: str  # "TCP" | "UDP"
+    scope: int = SOCKET
     _hash: int = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "_hash", hash((int(self.address), self.port, self.protocol)))
+        object.__setattr__(
+            self, "_hash", hash((int(self.address), self.port, self.protocol, self.scope))
+        )
 
     def sort_key(self) -> tuple:
-        return (self.address.version, int(self.address), self.port, self.protocol)
+        return (self.address.version, int(self.address), self.port, self.protocol, self.scope)
 
     def __hash__(self) -> int:
         return self._hash
@@ -151,7 +167,8 @@ class Frontend:
 
     def __str__(self) -> str:
         host = f"[{self.address}]" if self.address.version == 6 else str(self.address)
-        return f"{host}:{self.port}/{self.protocol}"
+        text = f"{host}:{self.port}/{self.protocol}"
+        return f"{text} (external)" if self.scope == EXTERNAL else text
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -191,6 +208,9 @@ class FrontendState:
     service: str  # "namespace/name:portname", for status and errors
     backends: tuple[Backend, ...]  # sorted, unique; empty: refuse connections
     affinity_timeout: int = 0  # seconds; 0: no session affinity
+    kind: str = "ClusterIP"  # ClusterIP | NodePort | LoadBalancer | ExternalIP, for status
+    # loadBalancerSourceRanges (LoadBalancer IPs, external scope); empty: any source
+    source_ranges: tuple[IPNetwork, ...] = ()
 
 
 @dataclass(frozen=True)

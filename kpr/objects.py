@@ -10,7 +10,7 @@ from __future__ import annotations
 import sys
 from collections.abc import Callable
 from datetime import datetime
-from ipaddress import ip_address
+from ipaddress import ip_address, ip_network
 from typing import Any
 
 from kpr.model import (
@@ -18,6 +18,7 @@ from kpr.model import (
     EndpointPort,
     EndpointSlice,
     IPAddress,
+    IPNetwork,
     ObjectRef,
     Service,
     ServicePort,
@@ -163,6 +164,7 @@ def parse_service(obj: dict[str, Any]) -> Service:
         _ip(value, ref, f"spec.externalIPs[{i}]")
         for i, value in enumerate(_list(spec.get("externalIPs"), ref, "spec.externalIPs"))
     )
+    health_check_node_port = spec.get("healthCheckNodePort")
     return Service(
         namespace=ref.namespace,
         name=ref.name,
@@ -189,7 +191,42 @@ def parse_service(obj: dict[str, Any]) -> Service:
             TRAFFIC_POLICIES,
             "Cluster",
         ),
+        load_balancer_ips=_load_balancer_ips(obj, ref),
+        load_balancer_source_ranges=tuple(
+            _cidr(value, ref, f"spec.loadBalancerSourceRanges[{i}]")
+            for i, value in enumerate(
+                _list(spec.get("loadBalancerSourceRanges"), ref, "spec.loadBalancerSourceRanges")
+            )
+        ),
+        health_check_node_port=None
+        if health_check_node_port is None
+        else _port(health_check_node_port, ref, "spec.healthCheckNodePort"),
     )
+
+
+def _load_balancer_ips(obj: dict[str, Any], ref: ObjectRef) -> tuple[IPAddress, ...]:
+    """status.loadBalancer.ingress[].ip, but not those with ipMode Proxy: their load
+    balancer proxies the traffic and sends it to the node, not to the IP."""
+    status = _mapping(obj.get("status"), ref, "status")
+    load_balancer = _mapping(status.get("loadBalancer"), ref, "status.loadBalancer")
+    ips = []
+    path = "status.loadBalancer.ingress"
+    for i, value in enumerate(_list(load_balancer.get("ingress"), ref, path)):
+        ingress = _mapping(value, ref, f"{path}[{i}]")
+        mode = _choice(ingress.get("ipMode"), ref, f"{path}[{i}].ipMode", ("VIP", "Proxy"), "VIP")
+        if ingress.get("ip") is not None and mode == "VIP":
+            ips.append(_ip(ingress["ip"], ref, f"{path}[{i}].ip"))
+    return tuple(ips)
+
+
+def _cidr(value: object, ref: ObjectRef, path: str) -> IPNetwork:
+    if not isinstance(value, str):
+        raise ObjectError(ref, path, f"must be a CIDR string, not {value!r}")
+    try:
+        # kube-proxy trims spaces; host bits set are tolerated as the API server does
+        return ip_network(value.strip(), strict=False)
+    except ValueError:
+        raise ObjectError(ref, path, f"{value!r} is not a valid CIDR") from None
 
 
 def _cluster_ips(spec: dict[str, Any], ref: ObjectRef) -> tuple[IPAddress, ...]:

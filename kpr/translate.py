@@ -8,11 +8,14 @@ topology.go (which of them receive traffic on this node).
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
+from ipaddress import IPv4Address
 
 from kpr.model import (
+    EXTERNAL,
     MAX_SLOTS,
     PROTOCOLS,
+    SOCKET,
     Backend,
     Endpoint,
     EndpointSlice,
@@ -30,6 +33,7 @@ from kpr.model import (
 from kpr.objects import SERVICE_NAME_LABEL
 
 SERVICE_PROXY_NAME_LABEL = "service.kubernetes.io/service-proxy-name"
+LOCALHOST = IPv4Address("127.0.0.1")
 
 
 def translate(
@@ -60,7 +64,8 @@ def _translate_service(
     owners: dict[Frontend, ObjectRef],
     translation: Translation,
 ) -> None:
-    """Add the frontends of one Service's cluster IPs, one per IP, port and protocol."""
+    """Add the frontends of one Service: per port and protocol, each address it is
+    reachable at (kube-proxy's "Addresses served"), for each kind of client."""
     affinity_timeout = service.affinity_timeout if service.session_affinity == "ClientIP" else 0
     for index, port in enumerate(service.ports):
         field = f"spec.ports[{index}]"
@@ -73,8 +78,7 @@ def _translate_service(
                 )
             )
             continue
-        for address in service.cluster_ips:
-            frontend = Frontend(address, port.port, port.protocol)
+        for frontend, kind, policy in frontends_of(service, port, node):
             owner = owners.setdefault(frontend, service.ref)
             if owner != service.ref:
                 translation.problems.append(
@@ -83,13 +87,10 @@ def _translate_service(
                     )
                 )
                 continue
-            # Each cluster IP is served from the slices of its own IP family.
-            family = f"IPv{address.version}"
+            # Each address is served from the slices of its own IP family.
+            family = f"IPv{frontend.address.version}"
             backends = select_backends(
-                port,
-                [s for s in slices if s.address_type == family],
-                service.internal_traffic_policy,
-                node,
+                port, [s for s in slices if s.address_type == family], policy, node
             )
             if len(backends) > MAX_SLOTS:
                 translation.problems.append(
@@ -102,9 +103,52 @@ def _translate_service(
                 )
                 translation.held.add(frontend)
                 continue
+            ranges = ()
+            if kind == "LoadBalancer" and frontend.scope == EXTERNAL:
+                # Only the LoadBalancer IPs, never the NodePort; each family its own ranges.
+                ranges = tuple(
+                    r
+                    for r in service.load_balancer_source_ranges
+                    if r.version == frontend.address.version
+                )
+                if service.load_balancer_source_ranges and not ranges:
+                    continue  # no source of this family is allowed: nothing to serve
             translation.frontends[frontend] = FrontendState(
-                service_port_name(service, port), backends, affinity_timeout
+                service_port_name(service, port), backends, affinity_timeout, kind, ranges
             )
+
+
+def frontends_of(
+    service: Service, port: ServicePort, node: NodeContext
+) -> Iterator[tuple[Frontend, str, str]]:
+    """(frontend, kind, traffic policy) for every address a Service port is served at.
+
+    Processes and pods on the node (SOCKET scope) reach every endpoint by any
+    address, as kube-proxy short-circuits them; traffic arriving from outside
+    (EXTERNAL scope, the TC program) follows externalTrafficPolicy.
+    """
+    protocol = port.protocol
+    for address in service.cluster_ips:
+        yield Frontend(address, port.port, protocol), "ClusterIP", service.internal_traffic_policy
+    node_port = port.node_port if service.type in ("NodePort", "LoadBalancer") else None
+    external = [(address, port.port, "ExternalIP") for address in service.external_ips]
+    if service.type == "LoadBalancer":
+        external += [(address, port.port, "LoadBalancer") for address in service.load_balancer_ips]
+    if node_port:
+        external += [(address, node_port, "NodePort") for address in node.node_port_addresses]
+    # kube-proxy runs one proxier per IP family, each serving the Services of its family
+    families = {address.version for address in service.cluster_ips}
+    for address, number, kind in external:
+        if address.version not in families:
+            continue
+        yield Frontend(address, number, protocol, SOCKET), kind, "Cluster"
+        if not address.is_loopback:
+            policy = service.external_traffic_policy
+            yield Frontend(address, number, protocol, EXTERNAL), kind, policy
+    # IPv4 only, as kube-proxy's localhostNodePorts
+    localhost = node.localhost_node_ports and 4 in families
+    if node_port and localhost and LOCALHOST not in node.node_port_addresses:
+        yield Frontend(LOCALHOST, node_port, protocol, SOCKET), "NodePort", "Cluster"
 
 
 def select_backends(

@@ -28,8 +28,14 @@ STAT_NAMES = {
     2: "backend_missing",
     3: "reversed",
     4: "revnat_full",
+    5: "external_translated",
+    6: "external_rejected",
+    7: "external_denied",
 }
 STAT_MAX = 8
+
+# struct kpr_service.flags
+SVC_F_SOURCE_RANGES = 1 << 0
 
 
 # Addresses: bytes in network order. Ports: host order (bpftool shows them plainly).
@@ -38,7 +44,7 @@ class Service4Key(ct.Structure):
         ("address", ct.c_uint8 * 4),
         ("port", ct.c_uint16),
         ("protocol", ct.c_uint8),
-        ("pad", ct.c_uint8),
+        ("scope", ct.c_uint8),
         ("slot", ct.c_uint16),
         ("pad2", ct.c_uint16),
     ]
@@ -49,7 +55,7 @@ class Service6Key(ct.Structure):
         ("address", ct.c_uint8 * 16),
         ("port", ct.c_uint16),
         ("protocol", ct.c_uint8),
-        ("pad", ct.c_uint8),
+        ("scope", ct.c_uint8),
         ("slot", ct.c_uint16),
         ("pad2", ct.c_uint16),
     ]
@@ -111,6 +117,68 @@ class Affinity(ct.Structure):
     ]
 
 
+# --- TC datapath (bpf/nodeport.c) ---
+
+
+class FlowKey(ct.Structure):
+    _fields_ = [
+        ("saddr", ct.c_uint8 * 16),
+        ("daddr", ct.c_uint8 * 16),
+        ("sport", ct.c_uint16),
+        ("dport", ct.c_uint16),
+        ("protocol", ct.c_uint8),
+        ("family", ct.c_uint8),
+        ("pad", ct.c_uint16),
+    ]
+
+
+CT_F_SNAT = 1 << 0
+
+
+class Ct(ct.Structure):
+    _fields_ = [
+        ("backend_address", ct.c_uint8 * 16),
+        ("nat_address", ct.c_uint8 * 16),
+        ("backend_port", ct.c_uint16),
+        ("nat_port", ct.c_uint16),
+        ("backend_id", ct.c_uint32),
+        ("service_id", ct.c_uint32),
+        ("flags", ct.c_uint32),
+        ("last_seen_ns", ct.c_uint64),
+    ]
+
+
+class Nat(ct.Structure):
+    _fields_ = [
+        ("frontend_address", ct.c_uint8 * 16),
+        ("client_address", ct.c_uint8 * 16),
+        ("frontend_port", ct.c_uint16),
+        ("client_port", ct.c_uint16),
+        ("flags", ct.c_uint32),
+        ("last_seen_ns", ct.c_uint64),
+    ]
+
+
+class Device(ct.Structure):
+    _fields_ = [("address4", ct.c_uint8 * 4), ("address6", ct.c_uint8 * 16), ("pad", ct.c_uint32)]
+
+
+class AffinityExtKey(ct.Structure):
+    _fields_ = [("address", ct.c_uint8 * 16), ("service_id", ct.c_uint32)]
+
+
+class SourceRangeKey(ct.Structure):
+    _fields_ = [
+        ("prefixlen", ct.c_uint32),
+        ("service_id", ct.c_uint32),
+        ("address", ct.c_uint8 * 16),
+    ]
+
+
+class NodePortKey(ct.Structure):
+    _fields_ = [("port", ct.c_uint16), ("protocol", ct.c_uint8), ("pad", ct.c_uint8)]
+
+
 @dataclass(frozen=True)
 class MapSpec:
     """A pinned map: its name in C, its pin name, and the sizes kpr expects."""
@@ -120,7 +188,7 @@ class MapSpec:
     map_type: int  # BPF_MAP_TYPE_*
     key: type[ct.Structure] | type[ct._SimpleCData]
     value: type[ct.Structure] | type[ct._SimpleCData]
-    size_define: str | None  # -D that sets max_entries; None: fixed
+    size: str | int  # the -D that sets max_entries, or a fixed max_entries
 
     @property
     def key_size(self) -> int:
@@ -134,11 +202,12 @@ class MapSpec:
 BPF_MAP_TYPE_HASH = 1
 BPF_MAP_TYPE_PERCPU_ARRAY = 6
 BPF_MAP_TYPE_LRU_HASH = 9
+BPF_MAP_TYPE_LPM_TRIE = 11
 
 
-def _spec(name: str, map_type: int, key, value, size_define: str | None) -> MapSpec:
+def _spec(name: str, map_type: int, key, value, size: str | int) -> MapSpec:
     short = name.removeprefix("kpr_")
-    return MapSpec(name, f"v{ABI_VERSION}_{short}", map_type, key, value, size_define)
+    return MapSpec(name, f"v{ABI_VERSION}_{short}", map_type, key, value, size)
 
 
 MAPS: dict[str, MapSpec] = {
@@ -165,7 +234,25 @@ MAPS: dict[str, MapSpec] = {
             "KPR_SOCK_REVNAT_MAX",
         ),
         _spec("kpr_affinity", BPF_MAP_TYPE_LRU_HASH, AffinityKey, Affinity, "KPR_AFFINITY_MAX"),
-        _spec("kpr_stats", BPF_MAP_TYPE_PERCPU_ARRAY, ct.c_uint32, ct.c_uint64, None),
+        _spec("kpr_stats", BPF_MAP_TYPE_PERCPU_ARRAY, ct.c_uint32, ct.c_uint64, STAT_MAX),
+        _spec("kpr_ct", BPF_MAP_TYPE_LRU_HASH, FlowKey, Ct, "KPR_CT_MAX"),
+        _spec("kpr_nat", BPF_MAP_TYPE_LRU_HASH, FlowKey, Nat, "KPR_CT_MAX"),
+        _spec("kpr_devices", BPF_MAP_TYPE_HASH, ct.c_uint32, Device, 256),
+        _spec(
+            "kpr_affinity_ext",
+            BPF_MAP_TYPE_LRU_HASH,
+            AffinityExtKey,
+            Affinity,
+            "KPR_AFFINITY_MAX",
+        ),
+        _spec(
+            "kpr_source_ranges",
+            BPF_MAP_TYPE_LPM_TRIE,
+            SourceRangeKey,
+            ct.c_uint8,
+            "KPR_SOURCE_RANGE_MAX",
+        ),
+        _spec("kpr_node_ports", BPF_MAP_TYPE_HASH, NodePortKey, ct.c_uint8, 65536),
     )
 }
 
@@ -182,6 +269,8 @@ class MapSizes:
     revnat: int = 65536
     sock_revnat: int = 65536  # LRU: preallocated, so kept modest
     affinity: int = 65536  # LRU: (client netns, service) pairs with ClientIP affinity
+    ct: int = 65536  # LRU, each of kpr_ct and kpr_nat: external flows through TC
+    source_ranges: int = 16384  # loadBalancerSourceRanges, all Services together
 
     @classmethod
     def parse(cls, text: str) -> MapSizes:
@@ -199,14 +288,17 @@ class MapSizes:
         return dataclasses.replace(cls(), **sizes)
 
     def max_entries(self, spec: MapSpec) -> int:
+        if isinstance(spec.size, int):
+            return spec.size
         return {
             "KPR_SERVICE_MAX": self.services,
             "KPR_BACKEND_MAX": self.backends,
             "KPR_REVNAT_MAX": self.revnat,
             "KPR_SOCK_REVNAT_MAX": self.sock_revnat,
             "KPR_AFFINITY_MAX": self.affinity,
-            None: STAT_MAX,
-        }[spec.size_define]
+            "KPR_CT_MAX": self.ct,
+            "KPR_SOURCE_RANGE_MAX": self.source_ranges,
+        }[spec.size]
 
     def cflags(self) -> list[str]:
         return [
@@ -215,14 +307,19 @@ class MapSizes:
             f"-DKPR_REVNAT_MAX={self.revnat}",
             f"-DKPR_SOCK_REVNAT_MAX={self.sock_revnat}",
             f"-DKPR_AFFINITY_MAX={self.affinity}",
+            f"-DKPR_CT_MAX={self.ct}",
+            f"-DKPR_SOURCE_RANGE_MAX={self.source_ranges}",
         ]
 
 
 # struct-module formats of the same layouts, for packing many entries fast
 # (tests/test_abi.py checks each against its ctypes mirror).
-SERVICE4_KEY = struct.Struct("<4sHBxHxx")  # address, port, protocol, slot
-SERVICE6_KEY = struct.Struct("<16sHBxHxx")
+SERVICE4_KEY = struct.Struct("<4sHBBHxx")  # address, port, protocol, scope, slot
+SERVICE6_KEY = struct.Struct("<16sHBBHxx")
 SERVICE_VALUE = struct.Struct("<IIIIIxxxx")  # backend_id, count, service_id, flags, affinity
 BACKEND4 = struct.Struct("<4sHxx")  # address, port; also struct kpr_revnat4
 BACKEND6 = struct.Struct("<16sHxx")
 ID = struct.Struct("<I")
+DEVICE = struct.Struct("<4s16sxxxx")  # address4, address6
+SOURCE_RANGE_KEY = struct.Struct("<II16s")  # prefixlen, service_id, address
+NODE_PORT_KEY = struct.Struct("<HBx")  # port, protocol

@@ -243,6 +243,13 @@ class PinnedMap:
             ct.memmove(token_in, token_out, len(token_out))
             first = False
 
+    def all_keys(self) -> Iterator:
+        """Every key, one syscall each: for map types without batch lookups (LPM trie)."""
+        key, next_key = None, self.key_type()
+        while _libbpf.bpf_map_get_next_key(self.fd, key, ct.byref(next_key)) == 0:
+            yield next_key
+            key, next_key = ct.byref(next_key), self.key_type()
+
     def update_packed(self, key: bytes, value: bytes) -> None:
         _check(_libbpf.bpf_map_update_elem(self.fd, key, value, BPF_ANY), f"write to {self.name}")
 

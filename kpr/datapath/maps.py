@@ -12,12 +12,12 @@ import errno
 import logging
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from ipaddress import ip_address
+from ipaddress import ip_address, ip_network
 from pathlib import Path
 from typing import NamedTuple, Protocol
 
 from kpr.datapath import abi, bpfsys
-from kpr.datapath.plan import Plan, ProgrammedService, ProgrammedState
+from kpr.datapath.plan import Plan, ProgrammedService, ProgrammedState, SourceRange
 from kpr.model import Backend, Frontend, by_key
 
 log = logging.getLogger(__name__)
@@ -30,6 +30,7 @@ class ServiceEntry(NamedTuple):
     count: int = 0
     service_id: int = 0
     affinity_timeout: int = 0
+    flags: int = 0
 
 
 ServiceKey = tuple[Frontend, int]  # frontend, slot
@@ -55,15 +56,20 @@ class Maps(Protocol):
     def write_revnat(self, entries: dict[int, Frontend]) -> WriteResult: ...
     def delete_revnat(self, entries: dict[int, Frontend]) -> None: ...
     def delete_backends(self, entries: dict[int, Backend]) -> None: ...
+    def write_source_ranges(self, entries: dict[SourceRange, Frontend]) -> WriteResult: ...
+    def delete_source_ranges(self, entries: set[SourceRange]) -> None: ...
 
 
 def decode(
     services: dict[ServiceKey, ServiceEntry],
     backends: dict[int, Backend],
     revnat: dict[int, Frontend],
+    ranges: Iterable[SourceRange] = (),
 ) -> ProgrammedState:
     """Map contents → ProgrammedState. Slots a master does not count are strays."""
     state = ProgrammedState(backends=dict(backends), revnat=dict(revnat))
+    for sid, network in ranges:
+        state.source_ranges[sid] = state.source_ranges.get(sid, frozenset()) | {network}
     for (frontend, slot), entry in services.items():
         if slot == 0:
             slots = [
@@ -71,7 +77,7 @@ def decode(
                 for i in range(1, entry.count + 1)
             ]
             state.services[frontend] = ProgrammedService(
-                entry.service_id, slots, entry.affinity_timeout
+                entry.service_id, slots, entry.affinity_timeout, entry.flags
             )
     for frontend, slot in services:
         master = services.get((frontend, 0))
@@ -101,13 +107,12 @@ def execute(maps: Maps, steps: Plan) -> WriteResult:
     revnat = {sid: f for sid, f in steps.revnat_writes.items() if f not in failed}
     failed_ids = merge(maps.write_revnat(revnat))
     failed |= {steps.revnat_writes[sid] for sid in failed_ids}
-    masters = {
-        (m.frontend, 0): ServiceEntry(0, m.count, m.service_id, m.affinity_timeout)
-        for m in steps.master_writes
-        if m.frontend not in failed
-    }
+    ranges = {key: f for key, f in steps.range_writes.items() if f not in failed}
+    failed |= {steps.range_writes[key] for key in merge(maps.write_source_ranges(ranges))}
+    masters = {(m.frontend, 0): _master(m) for m in steps.master_writes if m.frontend not in failed}
     failed |= {key[0] for key in merge(maps.write_services(masters))}
     maps.delete_services([(f, 0) for f in steps.master_deletes])
+    maps.delete_source_ranges(steps.range_deletes)
     maps.delete_services([key for key in steps.slot_deletes if key[0] not in failed])
     if failed:
         failed = _one_by_one(maps, steps, failed)
@@ -119,6 +124,10 @@ def execute(maps: Maps, steps: Plan) -> WriteResult:
     maps.delete_revnat(steps.revnat_deletes)
     maps.delete_backends(steps.backend_deletes)
     return result
+
+
+def _master(m) -> ServiceEntry:
+    return ServiceEntry(0, m.count, m.service_id, m.affinity_timeout, m.flags)
 
 
 def _one_by_one(maps: Maps, steps: Plan, failed: set[Frontend]) -> set[Frontend]:
@@ -143,9 +152,11 @@ def _one_by_one(maps: Maps, steps: Plan, failed: set[Frontend]) -> set[Frontend]
         ok = not maps.write_services(entries).failed
         if ok and frontend in revnat:
             ok = not maps.write_revnat({revnat[frontend]: frontend}).failed
+        if ok:
+            ranges = {key: f for key, f in steps.range_writes.items() if f == frontend}
+            ok = not maps.write_source_ranges(ranges).failed
         if ok and frontend in masters:
-            m = masters[frontend]
-            master = ServiceEntry(0, m.count, m.service_id, m.affinity_timeout)
+            master = _master(masters[frontend])
             ok = not maps.write_services({(frontend, 0): master}).failed
         if ok:
             trim = [key for key in steps.slot_deletes if key[0] == frontend]
@@ -165,6 +176,7 @@ class MemoryMaps:
         self.services: dict[ServiceKey, ServiceEntry] = {}
         self.backends: dict[int, Backend] = {}
         self.revnat: dict[int, Frontend] = {}
+        self.ranges: dict[SourceRange, Frontend] = {}
         self.check = check
 
     def _checked(self) -> None:
@@ -183,7 +195,7 @@ class MemoryMaps:
         return result
 
     def read(self) -> ProgrammedState:
-        return decode(self.services, self.backends, self.revnat)
+        return decode(self.services, self.backends, self.revnat, self.ranges)
 
     def write_backends(self, entries: dict[int, Backend]) -> WriteResult:
         return self._write(self.backends, entries)
@@ -207,6 +219,12 @@ class MemoryMaps:
 
     def delete_backends(self, entries: dict[int, Backend]) -> None:
         self._delete(self.backends, entries)
+
+    def write_source_ranges(self, entries: dict[SourceRange, Frontend]) -> WriteResult:
+        return self._write(self.ranges, entries)
+
+    def delete_source_ranges(self, entries: set[SourceRange]) -> None:
+        self._delete(self.ranges, entries)
 
 
 def consistent(maps: MemoryMaps) -> list[str]:
@@ -257,10 +275,11 @@ def _pack_services(
                 frontend.address.packed,
                 frontend.port,
                 protocol,
+                frontend.scope,
             )
-        name, pack, address, port, protocol = prefix
-        value = pack_value(entry[0], entry[1], entry[2], 0, entry[3]) if entry else b""
-        out.append((name, pack(address, port, protocol, slot), value))
+        name, pack, address, port, protocol, scope = prefix
+        value = pack_value(entry[0], entry[1], entry[2], entry[4], entry[3]) if entry else b""
+        out.append((name, pack(address, port, protocol, scope, slot), value))
     return out
 
 
@@ -276,6 +295,11 @@ def _pack_addresses(
             (names[version], pack_id(key), _ADDRESSES[version](target.address.packed, target.port))
         )
     return out
+
+
+def _pack_range(key: SourceRange) -> bytes:
+    sid, network = key
+    return abi.SOURCE_RANGE_KEY.pack(32 + network.prefixlen, sid, network.network_address.packed)
 
 
 def _why(err: OSError) -> str:
@@ -319,15 +343,21 @@ class BpfMaps:
             address_layout = abi.BACKEND4 if version == 4 else abi.BACKEND6
             frontends: dict[tuple, Frontend] = {}  # one object per frontend, not per slot
             for keys, values, _ in self._family("services", version).dump():
-                for (address, port, protocol, slot), (bid, count, sid, _, affinity) in zip(
+                for (address, port, protocol, scope, slot), (
+                    bid,
+                    count,
+                    sid,
+                    flags,
+                    affinity,
+                ) in zip(
                     key_layout.iter_unpack(keys), abi.SERVICE_VALUE.iter_unpack(values), strict=True
                 ):
-                    frontend = frontends.get((address, port, protocol))
+                    frontend = frontends.get((address, port, protocol, scope))
                     if frontend is None:
                         name = protocols.get(protocol, str(protocol))
-                        frontend = Frontend(ip_address(address), port, name)
-                        frontends[(address, port, protocol)] = frontend
-                    services[(frontend, slot)] = ServiceEntry(bid, count, sid, affinity)
+                        frontend = Frontend(ip_address(address), port, name, scope)
+                        frontends[(address, port, protocol, scope)] = frontend
+                    services[(frontend, slot)] = ServiceEntry(bid, count, sid, affinity, flags)
             for keys, values, _ in self._family("backends", version).dump():
                 for (bid,), (address, port) in zip(
                     abi.ID.iter_unpack(keys), address_layout.iter_unpack(values), strict=True
@@ -338,7 +368,7 @@ class BpfMaps:
                     abi.ID.iter_unpack(keys), address_layout.iter_unpack(values), strict=True
                 ):
                     revnat[sid] = (ip_address(address), port)
-        state = decode(services, backends, {})
+        state = decode(services, backends, {}, self.read_source_ranges())
         by_id = {s.service_id: f for f, s in state.services.items()}
         for sid, (address, port) in revnat.items():
             full = by_id.get(sid)
@@ -402,6 +432,31 @@ class BpfMaps:
     def delete_backends(self, entries: dict[int, Backend]) -> None:
         self._delete(_pack_addresses("backends", entries.items()))
 
+    def read_source_ranges(self) -> list[SourceRange]:
+        out = []
+        for key in self.maps["kpr_source_ranges"].all_keys():
+            length = key.prefixlen - 32
+            address = ip_address(bytes(key.address))
+            if length <= 32 and not any(bytes(key.address)[4:]):
+                address = ip_address(bytes(key.address)[:4])  # IPv4 in the first 4 bytes
+            out.append((key.service_id, ip_network((address, length), strict=False)))
+        return out
+
+    def write_source_ranges(self, entries: dict[SourceRange, Frontend]) -> WriteResult:
+        result = WriteResult()
+        pinned = self.maps["kpr_source_ranges"]
+        for key in entries:
+            try:
+                pinned.update_packed(_pack_range(key), b"\x01")
+            except OSError as err:
+                result.failed.add(key)
+                result.errors.append(f"{pinned.name}: {_why(err)} (service {key[0]} {key[1]})")
+        return result
+
+    def delete_source_ranges(self, entries: set[SourceRange]) -> None:
+        for key in entries:
+            self.maps["kpr_source_ranges"].delete_packed(_pack_range(key))
+
     def stats(self) -> dict[str, int]:
         """Outcome counters summed over CPUs."""
         pinned = self.maps["kpr_stats"]
@@ -416,11 +471,14 @@ class BpfMaps:
 
     def fill(self) -> dict[str, tuple[int, int]]:
         """Entries used and max_entries per map."""
-        return {
-            spec.pin: (
-                sum(count for _, _, count in self.maps[name].dump()),
-                self.maps[name].info.max_entries,
-            )
-            for name, spec in abi.MAPS.items()
-            if spec.map_type != abi.BPF_MAP_TYPE_PERCPU_ARRAY
-        }
+        out = {}
+        for name, spec in abi.MAPS.items():
+            pinned = self.maps[name]
+            if spec.map_type == abi.BPF_MAP_TYPE_PERCPU_ARRAY:
+                continue
+            if spec.map_type == abi.BPF_MAP_TYPE_LPM_TRIE:  # no batch lookups
+                used = sum(1 for _ in pinned.all_keys())
+            else:
+                used = sum(count for _, _, count in pinned.dump())
+            out[spec.pin] = (used, pinned.info.max_entries)
+        return out

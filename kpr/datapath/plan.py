@@ -6,7 +6,8 @@ so that no lookup ever sees a half-written service:
 
   1. write new backends          4. write master entries (new count)
   2. write slots 1..count        5. delete slots above the count, masters of
-  3. write reverse entries          removed services, their reverse entries
+  3. write reverse entries and      removed services, their reverse entries
+     source ranges                  and source ranges
                                  6. delete backends nothing references
 
 A reader that sees a master's count always finds slots 1..count filled with
@@ -18,7 +19,15 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field
 
-from kpr.model import Backend, Frontend, FrontendState, Translation, by_key
+from kpr.datapath import abi
+from kpr.model import Backend, Frontend, FrontendState, IPNetwork, Translation, by_key
+
+SourceRange = tuple[int, IPNetwork]  # (service id, allowed source network)
+
+
+def flags_of(state: FrontendState) -> int:
+    """The master entry's flags for a desired frontend."""
+    return abi.SVC_F_SOURCE_RANGES if state.source_ranges else 0
 
 
 @dataclass
@@ -28,6 +37,7 @@ class ProgrammedService:
     service_id: int
     slots: list[int]  # backend ids of slots 1..count, in slot order
     affinity_timeout: int = 0
+    flags: int = 0
 
 
 @dataclass
@@ -37,6 +47,7 @@ class ProgrammedState:
     services: dict[Frontend, ProgrammedService] = field(default_factory=dict)
     backends: dict[int, Backend] = field(default_factory=dict)
     revnat: dict[int, Frontend] = field(default_factory=dict)
+    source_ranges: dict[int, frozenset[IPNetwork]] = field(default_factory=dict)  # by service id
     # slot entries no master counts (above the count, or without a master):
     # left by an interrupted write, removed by the next plan
     stray_slots: set[tuple[Frontend, int]] = field(default_factory=set)
@@ -61,6 +72,7 @@ class Master:
     count: int
     service_id: int
     affinity_timeout: int
+    flags: int = 0
 
 
 @dataclass
@@ -68,10 +80,12 @@ class Plan:
     backend_writes: dict[int, Backend] = field(default_factory=dict)
     slot_writes: dict[tuple[Frontend, int], int] = field(default_factory=dict)
     revnat_writes: dict[int, Frontend] = field(default_factory=dict)
+    range_writes: dict[SourceRange, Frontend] = field(default_factory=dict)
     master_writes: list[Master] = field(default_factory=list)
     master_deletes: list[Frontend] = field(default_factory=list)
     slot_deletes: list[tuple[Frontend, int]] = field(default_factory=list)
     revnat_deletes: dict[int, Frontend] = field(default_factory=dict)
+    range_deletes: set[SourceRange] = field(default_factory=set)
     backend_deletes: dict[int, Backend] = field(default_factory=dict)
     # slots each frontend had before (0: new), so a failed write can free what it added
     old_counts: dict[Frontend, int] = field(default_factory=dict)
@@ -146,8 +160,12 @@ def plan(
             slot_keys = [(frontend, i) for i in range(1, len(wanted) + 1)]
             out.slot_writes.update(zip(slot_keys, wanted, strict=True))
             out.revnat_writes[next_service_id] = frontend
+            for network in state.source_ranges:
+                out.range_writes[(next_service_id, network)] = frontend
             out.master_writes.append(
-                Master(frontend, len(wanted), next_service_id, state.affinity_timeout)
+                Master(
+                    frontend, len(wanted), next_service_id, state.affinity_timeout, flags_of(state)
+                )
             )
             out.old_counts[frontend] = 0
             continue
@@ -161,10 +179,22 @@ def plan(
                 out.slot_writes[(frontend, i)] = bid
         if programmed.revnat.get(service_id) != frontend:
             out.revnat_writes[service_id] = frontend
+        old_ranges = programmed.source_ranges.get(service_id, frozenset())
+        for network in state.source_ranges:
+            if network not in old_ranges:
+                out.range_writes[(service_id, network)] = frontend
+        out.range_deletes.update(
+            (service_id, n) for n in old_ranges if n not in state.source_ranges
+        )
         out.old_counts[frontend] = len(old_slots)
-        if len(old_slots) != len(slots) or current.affinity_timeout != state.affinity_timeout:
+        flags = flags_of(state)
+        if (len(old_slots), current.affinity_timeout, current.flags) != (
+            len(slots),
+            state.affinity_timeout,
+            flags,
+        ):
             out.master_writes.append(
-                Master(frontend, len(slots), service_id, state.affinity_timeout)
+                Master(frontend, len(slots), service_id, state.affinity_timeout, flags)
             )
         out.slot_deletes.extend((frontend, i) for i in range(len(slots) + 1, len(old_slots) + 1))
 
@@ -175,6 +205,9 @@ def plan(
         refs.subtract(current.slots)
         if current.service_id in programmed.revnat:
             out.revnat_deletes[current.service_id] = programmed.revnat[current.service_id]
+        out.range_deletes.update(
+            (current.service_id, n) for n in programmed.source_ranges.get(current.service_id, ())
+        )
 
     if touched is None:
         out.slot_deletes.extend(
@@ -185,6 +218,12 @@ def plan(
         out.revnat_deletes = {
             sid: f for sid, f in sorted(programmed.revnat.items()) if sid not in live
         }
+        out.range_deletes.update(
+            (sid, n)
+            for sid, networks in programmed.source_ranges.items()
+            if sid not in live
+            for n in networks
+        )
         candidates = list(programmed.backends)
     else:
         candidates = [bid for bid, change in refs.items() if change < 0]
@@ -211,15 +250,18 @@ def apply_plan(programmed: ProgrammedState, steps: Plan) -> None:
         slots = dict(enumerate(current.slots, start=1)) if current else {}
         slots.update(written.get(frontend, {}))
         if master := masters.get(frontend):
-            count, service_id, affinity = master.count, master.service_id, master.affinity_timeout
+            count, service_id = master.count, master.service_id
+            affinity, flags = master.affinity_timeout, master.flags
         elif current:
             count, service_id = len(current.slots), current.service_id
-            affinity = current.affinity_timeout
+            affinity, flags = current.affinity_timeout, current.flags
         else:
             continue  # slots without a master: never planned
         if current:
             programmed.refs.subtract(current.slots)
-        new = ProgrammedService(service_id, [slots[i] for i in range(1, count + 1)], affinity)
+        new = ProgrammedService(
+            service_id, [slots[i] for i in range(1, count + 1)], affinity, flags
+        )
         programmed.services[frontend] = new
         programmed.refs.update(new.slots)
     programmed.revnat.update(steps.revnat_writes)
@@ -229,6 +271,14 @@ def apply_plan(programmed: ProgrammedState, steps: Plan) -> None:
         if gone:
             programmed.refs.subtract(gone.slots)
     programmed.stray_slots.difference_update(steps.slot_deletes)
+    ranges = programmed.source_ranges
+    for sid, network in steps.range_writes:
+        ranges[sid] = ranges.get(sid, frozenset()) | {network}
+    for sid, network in steps.range_deletes:
+        if sid in ranges and not (ranges[sid] - {network}):
+            del ranges[sid]
+        elif sid in ranges:
+            ranges[sid] = ranges[sid] - {network}
     for sid in steps.revnat_deletes:
         programmed.revnat.pop(sid, None)
     for bid in steps.backend_deletes:
