@@ -372,3 +372,51 @@ def test_other_kinds_are_not_parsed(api_version: str | None, kind: str | None) -
 def test_parse_object_raises_for_an_invalid_service() -> None:
     with pytest.raises(ObjectError):
         parse_object(service_dict(clusterIP="bogus"))
+
+
+def test_load_balancer_status_ips_except_proxy_mode_source_ranges_and_health_port() -> None:
+    obj = service_dict(
+        type="LoadBalancer",
+        loadBalancerSourceRanges=[" 198.51.100.0/24", "2001:db8::/32"],
+        healthCheckNodePort=32100,
+    )
+    obj["status"] = {
+        "loadBalancer": {
+            "ingress": [
+                {"ip": "203.0.113.7"},
+                {"ip": "203.0.113.8", "ipMode": "Proxy"},
+                {"hostname": "lb.example.com"},
+                {"ip": "203.0.113.9", "ipMode": "VIP"},
+            ]
+        }
+    }
+    service = parse_service(obj)
+    assert service.load_balancer_ips == (ip_address("203.0.113.7"), ip_address("203.0.113.9"))
+    assert [str(r) for r in service.load_balancer_source_ranges] == [
+        "198.51.100.0/24",
+        "2001:db8::/32",
+    ]
+    assert service.health_check_node_port == 32100
+
+
+@pytest.mark.parametrize(
+    ("spec", "status", "field"),
+    [
+        ({"loadBalancerSourceRanges": ["10.0.0.0/33"]}, {}, "spec.loadBalancerSourceRanges[0]"),
+        ({"healthCheckNodePort": 70000}, {}, "spec.healthCheckNodePort"),
+        (
+            {},
+            {"loadBalancer": {"ingress": [{"ip": "300.1.1.1"}]}},
+            "status.loadBalancer.ingress[0].ip",
+        ),
+        (
+            {},
+            {"loadBalancer": {"ingress": [{"ip": "1.1.1.1", "ipMode": "X"}]}},
+            "status.loadBalancer.ingress[0].ipMode",
+        ),
+    ],
+)
+def test_bad_load_balancer_fields_name_the_field(spec, status, field) -> None:
+    obj = service_dict(type="LoadBalancer", **spec)
+    obj["status"] = status
+    assert error_of(parse_service, obj).field == field

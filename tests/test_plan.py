@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ipaddress import ip_address
+from ipaddress import ip_address, ip_network
 
 import pytest
 from hypothesis import given, settings
@@ -204,3 +204,23 @@ def test_when_the_map_fills_the_services_that_fit_are_written_whole():
     assert served(maps) == {fe(1): {be(1), be(2), be(3)}}
     assert not consistent(maps)
     assert len(maps.services) == 4  # b left nothing behind
+
+
+def ranged(ranges: list[str]) -> Translation:
+    out = Translation()
+    networks = tuple(ip_network(r) for r in ranges)
+    out.frontends[fe(1)] = FrontendState("default/lb", (be(1),), source_ranges=networks)
+    return out
+
+
+def test_source_ranges_change_without_a_moment_of_deny_all_and_leave_nothing_behind():
+    maps = strict_maps()  # checks after every single write that a limited master has ranges
+    for ranges in (["10.0.0.0/8"], ["10.0.0.0/8", "192.0.2.0/24"], ["192.0.2.0/24"], []):
+        sync(maps, ranged(ranges))
+        state = maps.read()
+        sid = state.services[fe(1)].service_id
+        assert state.source_ranges.get(sid, frozenset()) == {ip_network(r) for r in ranges}
+        assert bool(state.services[fe(1)].flags) == bool(ranges)
+        assert sync(maps, ranged(ranges)) == 0  # and a second sync writes nothing
+    sync(maps, Translation())
+    assert maps.ranges == {}

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from ipaddress import IPv4Address, IPv6Address, ip_address
+from dataclasses import replace
+from ipaddress import IPv4Address, IPv6Address, ip_address, ip_network
 from pathlib import Path
 from typing import Any
 
@@ -10,7 +11,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kpr.model import (
+    EXTERNAL,
     MAX_SLOTS,
+    SOCKET,
     Backend,
     Endpoint,
     EndpointPort,
@@ -587,3 +590,90 @@ def test_translate_never_raises_and_backends_are_sorted_and_unique(
         assert list(state.backends) == sorted(set(state.backends))
         assert all(backend.address.version == frontend.family for backend in state.backends)
         assert len(state.backends) <= MAX_SLOTS
+
+
+# --- NodePort, LoadBalancer and external IPs ---------------------------------------
+
+NODE_IP = ip_address("192.168.50.2")
+EXTERNAL_NODE = NodeContext(name="node-1", node_port_addresses=(NODE_IP,))
+HTTP_NP = ServicePort(name="http", protocol="TCP", port=80, node_port=30080)
+LB_IP = ip_address("203.0.113.7")
+
+
+def _external_setup(**fields: Any) -> tuple[Service, EndpointSlice]:
+    svc = service(ports=(HTTP_NP,), **fields)
+    local = endpoint("10.244.1.11", node_name="node-1")
+    remote = endpoint("10.244.2.11", node_name="node-2")
+    return svc, endpoint_slice(local, remote)
+
+
+def test_node_port_is_served_on_node_addresses_for_both_scopes_and_localhost_at_the_socket():
+    svc, eps = _external_setup(type="NodePort")
+    frontends = translate([svc], [eps], EXTERNAL_NODE).frontends
+    both = (Backend(ip_address("10.244.1.11"), 8080), Backend(ip_address("10.244.2.11"), 8080))
+    assert frontends[Frontend(NODE_IP, 30080, "TCP", SOCKET)].backends == both
+    assert frontends[Frontend(NODE_IP, 30080, "TCP", EXTERNAL)].backends == both
+    assert frontends[Frontend(NODE_IP, 30080, "TCP", EXTERNAL)].kind == "NodePort"
+    localhost = Frontend(ip_address("127.0.0.1"), 30080, "TCP", SOCKET)
+    assert frontends[localhost].backends == both
+    assert Frontend(ip_address("127.0.0.1"), 30080, "TCP", EXTERNAL) not in frontends
+    # a ClusterIP Service with a stray nodePort value gets no NodePort
+    plain = translate([service(ports=(HTTP_NP,))], [eps], EXTERNAL_NODE).frontends
+    assert {f.address for f in plain} == {VIP}
+
+
+def test_localhost_node_ports_can_be_switched_off():
+    svc, eps = _external_setup(type="NodePort")
+    node = NodeContext(name="node-1", node_port_addresses=(NODE_IP,), localhost_node_ports=False)
+    assert ip_address("127.0.0.1") not in {
+        f.address for f in translate([svc], [eps], node).frontends
+    }
+
+
+def test_external_traffic_policy_local_narrows_only_the_external_scope():
+    svc, eps = _external_setup(type="NodePort", external_traffic_policy="Local")
+    frontends = translate([svc], [eps], EXTERNAL_NODE).frontends
+    local = (Backend(ip_address("10.244.1.11"), 8080),)
+    assert frontends[Frontend(NODE_IP, 30080, "TCP", EXTERNAL)].backends == local
+    # processes and pods on the node still reach every endpoint, as kube-proxy short-circuits them
+    assert len(frontends[Frontend(NODE_IP, 30080, "TCP", SOCKET)].backends) == 2
+    assert len(frontends[Frontend(VIP, 80, "TCP", SOCKET)].backends) == 2
+
+
+def test_load_balancer_ips_with_source_ranges_and_external_ips():
+    ranges = (ip_network("198.51.100.0/24"), ip_network("2001:db8::/32"))
+    svc, eps = _external_setup(
+        type="LoadBalancer",
+        load_balancer_ips=(LB_IP,),
+        load_balancer_source_ranges=ranges,
+        external_ips=(ip_address("192.0.2.9"),),
+    )
+    frontends = translate([svc], [eps], EXTERNAL_NODE).frontends
+    lb = frontends[Frontend(LB_IP, 80, "TCP", EXTERNAL)]
+    assert (lb.kind, lb.source_ranges) == ("LoadBalancer", (ip_network("198.51.100.0/24"),))
+    # ranges restrict the LoadBalancer IP only: never the NodePort, nor an external IP
+    assert frontends[Frontend(NODE_IP, 30080, "TCP", EXTERNAL)].source_ranges == ()
+    external_ip = frontends[Frontend(ip_address("192.0.2.9"), 80, "TCP", EXTERNAL)]
+    assert (external_ip.kind, external_ip.source_ranges) == ("ExternalIP", ())
+    assert frontends[Frontend(LB_IP, 80, "TCP", SOCKET)].source_ranges == ()
+    # status IPs of a Service that is no longer a LoadBalancer are not served
+    demoted = translate([replace(svc, type="NodePort")], [eps], EXTERNAL_NODE).frontends
+    assert LB_IP not in {f.address for f in demoted}
+
+
+def test_external_addresses_of_a_family_the_service_lacks_are_not_served():
+    svc, eps = _external_setup(type="LoadBalancer", load_balancer_ips=(ip_address("2001:db8::7"),))
+    node = NodeContext(node_port_addresses=(NODE_IP, ip_address("fd00::2")))
+    addresses = {f.address for f in translate([svc], [eps], node).frontends}
+    assert ip_address("2001:db8::7") not in addresses
+    assert ip_address("fd00::2") not in addresses
+    assert NODE_IP in addresses
+
+
+def test_two_services_on_one_node_port_the_first_keeps_it():
+    first, eps = _external_setup(type="NodePort")
+    second = service(name="zz", cluster_ips=("10.96.0.11",), ports=(HTTP_NP,), type="NodePort")
+    translation = translate([second, first], [eps], EXTERNAL_NODE)
+    owner = translation.owners[Frontend(NODE_IP, 30080, "TCP", EXTERNAL)]
+    assert owner == ("default", "web")
+    assert any("30080" in str(p) and "zz" in str(p) for p in translation.problems)

@@ -229,8 +229,10 @@ class MemoryMaps:
 
 def consistent(maps: MemoryMaps) -> list[str]:
     """What a datapath reader could trip on right now: a master counting a slot
-    that is absent, or a slot naming a backend that is absent."""
+    that is absent, a slot naming a backend that is absent, or a master limited
+    to source ranges that has none."""
     faults = []
+    ranged = {sid for sid, _ in maps.ranges}
     for (frontend, slot), entry in maps.services.items():
         if slot:
             continue
@@ -242,6 +244,8 @@ def consistent(maps: MemoryMaps) -> list[str]:
                 faults.append(f"{frontend}: slot {i} names absent backend {slot_entry.backend_id}")
         if entry.service_id not in maps.revnat:
             faults.append(f"{frontend}: no reverse entry for service {entry.service_id}")
+        if entry.flags & abi.SVC_F_SOURCE_RANGES and entry.service_id not in ranged:
+            faults.append(f"{frontend}: limited to source ranges, none written: all denied")
     return faults
 
 
