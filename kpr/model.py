@@ -258,3 +258,5 @@ class Translation:
     held: set[Frontend] = field(default_factory=set)
     problems: list[Problem] = field(default_factory=list)
     owners: dict[Frontend, ServiceKey] = field(default_factory=dict)  # which Service has it
+    # externalTrafficPolicy Local Services: (healthCheckNodePort, local ready endpoints)
+    health_checks: dict[ServiceKey, tuple[int, int]] = field(default_factory=dict)

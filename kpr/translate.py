@@ -67,6 +67,11 @@ def _translate_service(
     """Add the frontends of one Service: per port and protocol, each address it is
     reachable at (kube-proxy's "Addresses served"), for each kind of client."""
     affinity_timeout = service.affinity_timeout if service.session_affinity == "ClientIP" else 0
+    if service.health_check_node_port and service.external_traffic_policy == "Local":
+        translation.health_checks[(service.namespace, service.name)] = (
+            service.health_check_node_port,
+            local_ready_endpoints(service, slices, node),
+        )
     for index, port in enumerate(service.ports):
         field = f"spec.ports[{index}]"
         if port.protocol not in PROTOCOLS:
@@ -149,6 +154,17 @@ def frontends_of(
     localhost = node.localhost_node_ports and 4 in families
     if node_port and localhost and LOCALHOST not in node.node_port_addresses:
         yield Frontend(LOCALHOST, node_port, protocol, SOCKET), "NodePort", "Cluster"
+
+
+def local_ready_endpoints(service: Service, slices: list[EndpointSlice], node: NodeContext) -> int:
+    """What the healthCheckNodePort reports: ready endpoints on this node, counted per
+    Service port as kube-proxy's LocalReadyEndpoints does."""
+    return sum(
+        1
+        for port in service.ports
+        for endpoint in merge_endpoints(port, slices).values()
+        if endpoint.ready and is_local(endpoint, node)
+    )
 
 
 def select_backends(

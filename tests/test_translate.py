@@ -677,3 +677,24 @@ def test_two_services_on_one_node_port_the_first_keeps_it():
     owner = translation.owners[Frontend(NODE_IP, 30080, "TCP", EXTERNAL)]
     assert owner == ("default", "web")
     assert any("30080" in str(p) and "zz" in str(p) for p in translation.problems)
+
+
+def test_health_check_node_port_counts_local_ready_endpoints_per_port_as_kube_proxy():
+    ports = (HTTP_NP, ServicePort(name="metrics", protocol="TCP", port=9090, node_port=30090))
+    svc = service(
+        ports=ports,
+        type="LoadBalancer",
+        external_traffic_policy="Local",
+        health_check_node_port=32100,
+    )
+    slice_ports = (EndpointPort("http", "TCP", 8080), EndpointPort("metrics", "TCP", 9090))
+    eps = endpoint_slice(
+        endpoint("10.244.1.11", node_name="node-1"),
+        endpoint("10.244.1.12", node_name="node-1", ready=False),
+        endpoint("10.244.2.11", node_name="node-2"),
+        ports=slice_ports,
+    )
+    translation = translate([svc], [eps], EXTERNAL_NODE)
+    assert translation.health_checks == {("default", "web"): (32100, 2)}
+    cluster = replace(svc, external_traffic_policy="Cluster")
+    assert translate([cluster], [eps], EXTERNAL_NODE).health_checks == {}
