@@ -9,6 +9,7 @@
 #include "kpr.h"
 #include <linux/in.h>
 
+#define KPR_EADDRINUSE 98
 #define KPR_ECONNREFUSED 111
 #define KPR_EHOSTUNREACH 113
 
@@ -372,6 +373,24 @@ static __always_inline int reverse_hook6(struct bpf_sock_addr *ctx)
 	return 1;
 }
 
+/* A local socket bound to a NodePort in use would take the port's traffic
+ * from the Service (kube-proxy holds these ports open for the same reason):
+ * bind() fails with EADDRINUSE. Port 0 (any free port) is never refused. */
+static __always_inline int guard_node_port(struct bpf_sock_addr *ctx)
+{
+	struct kpr_node_port_key key = {
+		.port = bpf_ntohs((__u16)ctx->user_port),
+		.protocol = ctx->protocol,
+	};
+
+	if (key.port == 0 || !kpr_node_ports.lookup(&key))
+		return 1;
+	bpf_set_retval(-KPR_EADDRINUSE);
+	return 0;
+}
+
+int kpr_bind4(struct bpf_sock_addr *ctx) { return guard_node_port(ctx); }
+int kpr_bind6(struct bpf_sock_addr *ctx) { return guard_node_port(ctx); }
 int kpr_connect4(struct bpf_sock_addr *ctx) { return lb4(ctx, false); }
 int kpr_connect6(struct bpf_sock_addr *ctx) { return lb6(ctx, false); }
 int kpr_sendmsg4(struct bpf_sock_addr *ctx) { return lb4(ctx, true); }

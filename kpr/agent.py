@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import dataclasses
 import gc
 import logging
 import os
@@ -23,8 +24,19 @@ from kpr import conflicts, host, runstate
 from kpr.datapath import abi, loader, sockets
 from kpr.datapath.maps import BpfMaps, execute
 from kpr.datapath.plan import apply_plan, plan
+from kpr.devices import Device
 from kpr.gcpause import paused_gc
-from kpr.model import Backend, Frontend, NodeContext, Problem, ServiceKey, Snapshot, Translation
+from kpr.healthcheck import HealthCheckServers
+from kpr.model import (
+    EXTERNAL,
+    Backend,
+    Frontend,
+    NodeContext,
+    Problem,
+    ServiceKey,
+    Snapshot,
+    Translation,
+)
 from kpr.translate import translate
 
 log = logging.getLogger("kpr")
@@ -57,6 +69,7 @@ class AgentConfig:
     cgroup: Path | None = None  # None: the root of the cgroup v2 mount
     node: NodeContext = field(default_factory=NodeContext)
     sizes: abi.MapSizes = field(default_factory=abi.MapSizes)
+    devices: tuple[Device, ...] = ()  # where the TC program serves external traffic
     min_sync_period: float = 1.0  # at most one sync per this, under churn
     sync_period: float = 30.0  # a full sync at least this often, repairing drift
 
@@ -90,9 +103,15 @@ def _return_free_memory() -> None:
 
 class Agent:
     def __init__(
-        self, source: Source, config: AgentConfig, observers: list[Observer] | None = None
+        self,
+        source: Source,
+        config: AgentConfig,
+        observers: list[Observer] | None = None,
+        health_checks: HealthCheckServers | None = None,
     ) -> None:
         self.source = source
+        self.health_checks = health_checks  # healthCheckNodePort servers
+        self.health_problems: list[str] = []
         self.config = config
         self.observers = observers or []
         self.maps: BpfMaps | None = None
@@ -148,7 +167,7 @@ class Agent:
         self.source_problems = snapshot.problems
         self.node_deleting = snapshot.node_deleting
         if snapshot.zone != self.node.zone:  # topology hints depend on it
-            self.node = NodeContext(self.node.name, snapshot.zone, self.node.proxy_name)
+            self.node = dataclasses.replace(self.node, zone=snapshot.zone)
         if snapshot.changed is None:
             self.desired = translate(snapshot.services, snapshot.slices, self.node)
             self.frontends_of = {}
@@ -158,6 +177,7 @@ class Agent:
         partial = translate(snapshot.services, snapshot.slices, self.node)
         touched: set[Frontend] = set()
         for key in snapshot.changed:
+            self.desired.health_checks.pop(key, None)
             for frontend in self.frontends_of.pop(key, set()):
                 self.desired.frontends.pop(frontend, None)
                 self.desired.held.discard(frontend)
@@ -182,6 +202,7 @@ class Agent:
             else:
                 self.desired.frontends[frontend] = partial.frontends[frontend]
             touched.add(frontend)
+        self.desired.health_checks.update(partial.health_checks)
         return touched
 
     # --- syncing ----------------------------------------------------------------
@@ -223,6 +244,9 @@ class Agent:
         else:
             apply_plan(self.programmed, steps)
         self._terminate_stale_udp(udp_before, touched)
+        # NodePorts: the external scope, and 127.0.0.1 at the socket (localhostNodePorts)
+        if touched is None or any(f.scope == EXTERNAL or f.address.is_loopback for f in touched):
+            self._sync_node_ports()
         listed = getattr(self.source, "synced_at", None)
         if self.state.first_sync_after_list is None and listed:
             self.state.first_sync_after_list = time.time() - listed
@@ -277,6 +301,18 @@ class Agent:
         for observer in self.observers:
             observer.synced(outcome)
         return outcome
+
+    def _sync_node_ports(self) -> None:
+        """What bind() refuses (NodePorts in use) and what the health check servers say."""
+        assert self.maps is not None
+        node_ports = {
+            (f.port, f.protocol)
+            for f, state in self.desired.frontends.items()
+            if state.kind == "NodePort"
+        }
+        self.maps.sync_node_ports(node_ports)
+        if self.health_checks is not None:
+            self.health_problems = self.health_checks.update(self.desired.health_checks)
 
     def _repair_attachments(self) -> None:
         """A hook detached behind kpr's back (bpftool cgroup detach, a cleanup script)

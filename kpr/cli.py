@@ -79,16 +79,27 @@ def run(
         str | None,
         typer.Option(
             help="Map capacities, e.g. services=1048576,backends=524288 (keys: services, "
-            "backends, revnat, sock_revnat, affinity). Fixed once the maps are pinned."
+            "backends, revnat, sock_revnat, affinity, ct, source_ranges). Fixed once the "
+            "maps are pinned."
         ),
     ] = None,
+    devices: Annotated[
+        str,
+        typer.Option(
+            help="Devices to serve NodePort, LoadBalancer and external IPs on (TC), "
+            'comma-separated; "auto": those the default routes leave through; "none": '
+            "socket load balancing only. NodePorts answer on these devices' addresses."
+        ),
+    ] = "auto",
     log_level: Annotated[str, typer.Option(help="debug, info, warning or error.")] = "info",
 ) -> None:
     """Run the agent: keep the BPF maps equal to the Services of the API server (or --source)."""
     from kpr.agent import Agent, AgentConfig
     from kpr.config import ConfigError, ProxyConfig, load_config, split_host_port
     from kpr.datapath import abi
+    from kpr.devices import node_port_addresses, read_devices, select_devices
     from kpr.health import HealthServer, ProxyHealth
+    from kpr.healthcheck import HealthCheckServers
     from kpr.metrics import Metrics, MetricsServer
     from kpr.telemetry import Telemetry
 
@@ -133,17 +144,27 @@ def run(
                 on_invalid=lambda kind: metrics.invalid_objects_total.labels(kind=kind).inc(),
                 report=report,
             )
+        chosen = select_devices(devices, *read_devices())
         config = AgentConfig(
             pin_dir=bpffs,
             cgroup=cgroup,
             sizes=abi.MapSizes.parse(map_sizes) if map_sizes else abi.MapSizes(),
-            node=NodeContext(name=node, proxy_name=proxy_name),
+            node=NodeContext(
+                name=node,
+                proxy_name=proxy_name,
+                node_port_addresses=node_port_addresses(chosen, proxy.node_port_addresses),
+                localhost_node_ports=proxy.localhost_node_ports,
+            ),
+            devices=tuple(chosen),
             min_sync_period=proxy.min_sync_period,
             sync_period=proxy.sync_period,
         )
-        agent = Agent(feed, config)
-        agent.start()
         health = ProxyHealth(proxy.sync_period)
+        addresses = (
+            [str(a) for a in config.node.node_port_addresses] if proxy.node_port_addresses else None
+        )
+        agent = Agent(feed, config, health_checks=HealthCheckServers(addresses, health.healthy))
+        agent.start()
         Telemetry(health, metrics).attach(agent)
         servers = []
         if proxy.healthz_bind_address:
@@ -164,6 +185,8 @@ def run(
     finally:
         for server in servers:
             server.stop()
+        if agent.health_checks is not None:
+            agent.health_checks.close()
 
 
 @app.command()

@@ -76,7 +76,7 @@ def measure(services: int, endpoints: int, changes: int) -> dict:
             populate(api, services, endpoints)
             started = time.time()
             agent = subprocess.Popen(
-                [sys.executable, "-m", "kpr.cli", "run", "--master", api.url,
+                [sys.executable, "-m", "kpr.cli", "run", "--devices", "none", "--master", api.url,
                  "--node-name", "node-1", "--cgroup", str(cgroup), "--bpffs", str(pin_dir),
                  "--min-sync-period", "0", "--sync-period", "3600",
                  "--healthz-bind-address", "", "--metrics-bind-address", "",

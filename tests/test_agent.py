@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from kpr import runstate
+from kpr.datapath import loader
 from kpr.datapath.maps import BpfMaps
 from kpr.lab.netns import Lab
 from tests import kube
@@ -47,6 +48,8 @@ class AgentProcess:
         self.args = [
             *KPR,
             "run",
+            "--devices",
+            "none",
             "--source",
             str(directory),
             "--cgroup",
@@ -219,7 +222,7 @@ def test_cleanup_detaches_and_removes_every_pin(lab, agent):
         [*KPR, "cleanup", "--bpffs", str(agent.pin_dir)], capture_output=True, text=True
     )
     assert out.returncode == 0, out.stderr
-    assert "detached 8 programs" in out.stdout
+    assert f"detached {len(loader.HOOKS)} programs" in out.stdout
     assert not agent.pin_dir.exists()
     assert runstate.load(agent.pin_dir) is None
     results = tcp_results(lab, 1)
@@ -240,8 +243,8 @@ def run_kpr(*args: str, env: dict | None = None, user: str | None = None):
 
 def test_missing_kernel_headers_say_how_to_fix_it(tmp_path, pin_dir, cgroup):
     out = run_kpr(
-        "run", "--source", str(tmp_path), "--cgroup", str(cgroup), "--bpffs", str(pin_dir),
-        env={"BCC_KERNEL_SOURCE": str(tmp_path / "no-headers")},
+        "run", "--devices", "none", "--source", str(tmp_path), "--cgroup", str(cgroup),
+        "--bpffs", str(pin_dir), env={"BCC_KERNEL_SOURCE": str(tmp_path / "no-headers")},
     )  # fmt: skip
     assert out.returncode == 2
     assert "Kernel headers not found" in out.stderr and "host-setup.sh" in out.stderr
@@ -250,7 +253,15 @@ def test_missing_kernel_headers_say_how_to_fix_it(tmp_path, pin_dir, cgroup):
 
 def test_a_directory_that_is_not_a_cgroup_is_refused(tmp_path, pin_dir):
     out = run_kpr(
-        "run", "--source", str(tmp_path), "--cgroup", str(tmp_path), "--bpffs", str(pin_dir)
+        "run",
+        "--devices",
+        "none",
+        "--source",
+        str(tmp_path),
+        "--cgroup",
+        str(tmp_path),
+        "--bpffs",
+        str(pin_dir),
     )
     assert out.returncode == 2
     assert "is not a cgroup v2 directory" in out.stderr
@@ -258,7 +269,15 @@ def test_a_directory_that_is_not_a_cgroup_is_refused(tmp_path, pin_dir):
 
 def test_a_pin_directory_off_bpffs_is_refused(tmp_path, cgroup):
     out = run_kpr(
-        "run", "--source", str(tmp_path), "--cgroup", str(cgroup), "--bpffs", str(tmp_path / "p")
+        "run",
+        "--devices",
+        "none",
+        "--source",
+        str(tmp_path),
+        "--cgroup",
+        str(cgroup),
+        "--bpffs",
+        str(tmp_path / "p"),
     )
     assert out.returncode == 2
     assert "not on a BPF filesystem" in out.stderr
@@ -267,14 +286,24 @@ def test_a_pin_directory_off_bpffs_is_refused(tmp_path, cgroup):
 def test_not_root_is_refused_with_a_clear_message(tmp_path):
     if os.geteuid() != 0:
         pytest.skip("needs root to drop to another user")
-    out = run_kpr("run", "--source", str(tmp_path), user="nobody")
+    out = run_kpr("run", "--devices", "none", "--source", str(tmp_path), user="nobody")
     assert out.returncode == 2
     assert "must run as root" in out.stderr
 
 
 def test_a_missing_source_directory_is_named(tmp_path, pin_dir, cgroup):
     missing = tmp_path / "nope"
-    out = run_kpr("run", "--source", str(missing), "--cgroup", str(cgroup), "--bpffs", str(pin_dir))
+    out = run_kpr(
+        "run",
+        "--devices",
+        "none",
+        "--source",
+        str(missing),
+        "--cgroup",
+        str(cgroup),
+        "--bpffs",
+        str(pin_dir),
+    )
     assert out.returncode == 2
     assert str(missing) in out.stderr
 
@@ -288,7 +317,7 @@ def test_a_config_that_does_not_parse_is_refused_naming_the_field(tmp_path):
         "kind: KubeProxyConfiguration\n"
         "iptables:\n  syncPeriod: 3x\n"
     )
-    out = run_kpr("run", "--source", str(tmp_path), "--config", str(config))
+    out = run_kpr("run", "--devices", "none", "--source", str(tmp_path), "--config", str(config))
     assert out.returncode == 2
     assert "iptables.syncPeriod" in out.stderr and "3x" in out.stderr
     assert "Traceback" not in out.stderr
@@ -320,7 +349,32 @@ def test_a_full_map_fails_only_the_service_that_does_not_fit(lab, agent):
 
 def test_map_sizes_that_do_not_parse_are_refused(tmp_path, pin_dir, cgroup):
     out = run_kpr(
-        "run", "--source", str(tmp_path), "--cgroup", str(cgroup), "--bpffs", str(pin_dir),
-        "--map-sizes", "servces=10",
+        "run", "--devices", "none", "--source", str(tmp_path), "--cgroup", str(cgroup),
+        "--bpffs", str(pin_dir), "--map-sizes", "servces=10",
     )  # fmt: skip
     assert out.returncode == 2 and "unknown map 'servces'" in out.stderr
+
+
+def test_node_ports_answer_on_localhost_and_local_binds_cannot_shadow_them(lab, agent):
+    source = agent.log.parent / "manifests"
+    svc = kube.service("np", [VIP4], [], type="NodePort")
+    svc["spec"]["ports"] = [
+        {"name": "http", "port": 80, "protocol": "TCP", "targetPort": 8080, "nodePort": 30080}
+    ]
+    kube.write(
+        source, "np.yaml", svc, kube.endpoint_slice("np", [str(lab.pods[1].ipv4)], POD_PORTS)
+    )
+    agent.start()
+    agent.wait_synced()
+    # localhostNodePorts (kube-proxy's default): processes on the node reach 127.0.0.1:nodePort
+    argv = [sys.executable, "-m", "kpr.lab.probe", "tcp", "127.0.0.1", "30080", "--count", "5"]
+    results = json.loads(lab.run_client(argv).stdout)["results"]
+    assert {r.get("pod") for r in results} == {lab.pods[1].name}, results
+    bind = "import socket,sys; s=socket.socket(); s.bind(('0.0.0.0', int(sys.argv[1])))"
+    taken = lab.run_client([sys.executable, "-c", bind, "30080"])
+    assert taken.returncode != 0 and "Address already in use" in taken.stderr
+    assert lab.run_client([sys.executable, "-c", bind, "30081"]).returncode == 0
+    # the Service gone, the port is free again
+    (source / "np.yaml").unlink()
+    agent.wait_synced(after=time.time())
+    assert lab.run_client([sys.executable, "-c", bind, "30080"]).returncode == 0

@@ -52,7 +52,7 @@ class KubeAgent(AgentProcess):
         self.healthz = free_port()
         self.metrics = free_port()
         self.args = [
-            *KPR, "run", "--master", api.url, "--node-name", "node-1",
+            *KPR, "run", "--devices", "none", "--master", api.url, "--node-name", "node-1",
             "--cgroup", str(lab.cgroup), "--bpffs", str(pin_dir),
             "--min-sync-period", "0", "--sync-period", str(sync_period),
             "--healthz-bind-address", f"127.0.0.1:{self.healthz}",

@@ -811,8 +811,9 @@ class Kpr(Mode):
         self.cleanup(bl)
         directory, _ = self._manifests()
         self.pin_dir, self.cgroup = self._new_pin_dir(), bl.lab.cgroup
-        argv = [sys.executable, "-m", "kpr.cli", "run", "--source", str(directory),
-                "--cgroup", str(bl.lab.cgroup), "--bpffs", str(self.pin_dir),
+        argv = [sys.executable, "-m", "kpr.cli", "run", "--devices", "none",
+                "--source", str(directory), "--cgroup", str(bl.lab.cgroup),
+                "--bpffs", str(self.pin_dir),
                 "--log-level", "warning", "--healthz-bind-address", "",
                 "--metrics-bind-address", ""]  # fmt: skip
         started = time.time()

@@ -36,6 +36,8 @@ class Hook:
 
 
 HOOKS = [
+    Hook("kpr_bind4", 8, "bind4"),
+    Hook("kpr_bind6", 9, "bind6"),
     Hook("kpr_connect4", 10, "connect4"),
     Hook("kpr_connect6", 11, "connect6"),
     Hook("kpr_sendmsg4", 14, "sendmsg4"),
@@ -77,19 +79,24 @@ def check_pinned_maps(pin_dir: Path, sizes: abi.MapSizes) -> None:
             )
 
 
-def compile_and_pin(pin_dir: Path, sizes: abi.MapSizes):
-    """Compile the socket LB program; BCC creates (or reuses) the pinned maps."""
+def compile_and_pin(pin_dir: Path, sizes: abi.MapSizes, source: str = "sock_lb.c"):
+    """Compile a program of bpf/ (the socket LB by default); BCC creates (or reuses)
+    the pinned maps of bpf/kpr.h, which every source shares."""
     host.require_kernel_headers()
     bcc = host.require_bcc()
     check_pinned_maps(pin_dir, sizes)
     cflags = [f"-I{abi.BPF_DIR}", f'-DKPR_PIN_DIR="{pin_dir}"', *sizes.cflags()]
     try:
-        return bcc.BPF(src_file=str(abi.BPF_DIR / "sock_lb.c").encode(), cflags=cflags)
+        return bcc.BPF(src_file=str(abi.BPF_DIR / source).encode(), cflags=cflags)
     except Exception as err:
+        cause = (
+            "a kernel without cgroup sock_addr hooks (CONFIG_CGROUP_BPF)"
+            if source == "sock_lb.c"
+            else "a kernel without the BPF features it uses"
+        )
         raise host.SetupError(
-            f"BCC could not compile or load {abi.BPF_DIR / 'sock_lb.c'}: {err}. The compiler "
-            f"output above says why; a kernel without cgroup sock_addr hooks (CONFIG_CGROUP_BPF) "
-            f"or with mismatched headers is the usual cause."
+            f"BCC could not compile or load {abi.BPF_DIR / source}: {err}. The compiler "
+            f"output above says why; {cause} or mismatched headers is the usual cause."
         ) from err
 
 

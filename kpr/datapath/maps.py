@@ -436,6 +436,21 @@ class BpfMaps:
     def delete_backends(self, entries: dict[int, Backend]) -> None:
         self._delete(_pack_addresses("backends", entries.items()))
 
+    def sync_node_ports(self, wanted: set[tuple[int, str]]) -> None:
+        """Make kpr_node_ports hold exactly these (port, protocol) pairs."""
+        pinned = self.maps["kpr_node_ports"]
+        keys = {abi.NODE_PORT_KEY.pack(port, abi.PROTOCOL_NUMBERS[p]) for port, p in wanted}
+        size = abi.NODE_PORT_KEY.size
+        have = {
+            chunk[i : i + size]
+            for chunk, _, count in pinned.dump()
+            for i in range(0, count * size, size)
+        }
+        for key in keys - have:
+            pinned.update_packed(key, b"\x01")
+        for key in have - keys:
+            pinned.delete_packed(key)
+
     def read_source_ranges(self) -> list[SourceRange]:
         out = []
         for key in self.maps["kpr_source_ranges"].all_keys():

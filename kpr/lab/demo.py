@@ -63,8 +63,8 @@ def main(pods: int = 3, connections: int = 300) -> int:
         _say(f"manifests: {EXAMPLES}")
         _say()
         agent = subprocess.Popen(
-            [*KPR, "run", "--source", str(EXAMPLES), "--cgroup", str(lab.cgroup),
-             "--bpffs", str(pin_dir), "--node-name", "node-1"],
+            [*KPR, "run", "--devices", "none", "--source", str(EXAMPLES),
+             "--cgroup", str(lab.cgroup), "--bpffs", str(pin_dir), "--node-name", "node-1"],
         )  # fmt: skip
         try:
             runstate.wait_synced(pin_dir, agent)

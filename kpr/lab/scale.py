@@ -117,7 +117,7 @@ def program_in_process(directory: Path, lab: Lab, pin_dir: Path) -> dict:
 
 def agent_process(directory: Path, lab: Lab, pin_dir: Path) -> dict:
     """`kpr run` from empty maps to synced: wall time and resident memory."""
-    argv = [sys.executable, "-m", "kpr.cli", "run", "--source", str(directory),
+    argv = [sys.executable, "-m", "kpr.cli", "run", "--devices", "none", "--source", str(directory),
             "--cgroup", str(lab.cgroup), "--bpffs", str(pin_dir),
             "--log-level", "warning"]  # fmt: skip
     started = time.time()
