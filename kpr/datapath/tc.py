@@ -1,0 +1,357 @@
+"""The TC datapath (bpf/nodeport.c): compile, pin, attach to the node's devices.
+
+NodePort, LoadBalancer and external-IP traffic arrives from outside the node, where
+no cgroup socket hook sees it; two SCHED_CLS programs on each node device translate
+it per packet: `kpr_tc_ingress` on the clsact ingress hook, `kpr_tc_egress` on the
+egress hook. They share the pinned maps of bpf/kpr.h with the socket programs.
+
+kpr's filters are `bpf` filters in direct-action mode at priority PRIORITY, handle
+HANDLE, named after their function, so they are told apart from other tools'
+filters, which kpr never touches. Attaching again replaces kpr's filter in place
+(one netlink "replace": no moment without a program), and an existing clsact qdisc
+is used as it is. Device names are those of the calling process's network
+namespace (the agent may run under `ip netns exec`).
+"""
+
+from __future__ import annotations
+
+import ctypes as ct
+import dataclasses
+import errno
+import ipaddress
+import json
+import logging
+import os
+import socket
+import struct
+import subprocess
+import sys
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+from kpr import host
+from kpr.datapath import abi, bpfsys, loader
+
+log = logging.getLogger(__name__)
+
+BPF_PROG_TYPE_SCHED_CLS = 3
+PRIORITY = 0x4B50  # "KP": a priority of kpr's own, unlikely to be another tool's
+HANDLE = 1
+ETH_P_ALL = 0x0003
+TC_H_CLSACT_INGRESS = 0xFFFFFFF2
+TC_H_CLSACT_EGRESS = 0xFFFFFFF3
+
+
+@dataclass(frozen=True)
+class Direction:
+    name: str  # "ingress" / "egress"
+    function: str  # in bpf/nodeport.c; also the filter's name
+    parent: int  # clsact hook
+
+
+DIRECTIONS = [
+    Direction("ingress", "kpr_tc_ingress", TC_H_CLSACT_INGRESS),
+    Direction("egress", "kpr_tc_egress", TC_H_CLSACT_EGRESS),
+]
+
+Address = str | ipaddress.IPv4Address | ipaddress.IPv6Address | None
+
+
+def prog_pin(pin_dir: Path, direction: Direction | str) -> Path:
+    name = direction if isinstance(direction, str) else direction.name
+    return pin_dir / f"v{abi.ABI_VERSION}_prog_tc_{name}"
+
+
+def compile_and_pin(pin_dir: Path, sizes: abi.MapSizes):
+    """Compile bpf/nodeport.c (BCC creates or reuses the pinned maps), load both
+    programs as SCHED_CLS and pin them; returns the BCC module."""
+    bpf = loader.compile_and_pin(pin_dir, sizes, source="nodeport.c")
+    for direction in DIRECTIONS:
+        try:
+            fn = bpf.load_func(direction.function.encode(), bpf.SCHED_CLS)
+        except Exception as err:
+            raise host.SetupError(
+                f"The kernel refused kpr's TC program {direction.function} ({err}). The "
+                f"verifier log above says why; a kernel without BPF for tc (CONFIG_NET_CLS_BPF) "
+                f"or older than 5.10 (bpf_redirect_neigh) is the usual cause."
+            ) from err
+        pin = prog_pin(pin_dir, direction)
+        pin.unlink(missing_ok=True)
+        bpfsys.obj_pin(fn.fd, pin)
+    return bpf
+
+
+def _ipr():
+    from pyroute2 import IPRoute
+
+    return IPRoute()
+
+
+def _setup_error(device: str, what: str, err: Exception) -> host.SetupError:
+    code = getattr(err, "code", None) or getattr(err, "errno", None)
+    if code in (errno.EPERM, errno.EACCES):
+        fix = "run kpr as root or with CAP_NET_ADMIN (the DaemonSet grants it)"
+    elif code in (errno.ENOENT, errno.EOPNOTSUPP, errno.EINVAL) and "qdisc" in what:
+        fix = (
+            "this kernel lacks the clsact qdisc (CONFIG_NET_SCH_INGRESS) or BPF classifiers "
+            "(CONFIG_NET_CLS_BPF); NodePort, LoadBalancer and external IPs need them"
+        )
+    else:
+        fix = "the error names the cause; `tc qdisc show dev DEVICE` and `tc filter show` help"
+    return host.SetupError(f"Could not {what} on device {device!r}: {err}. Fix: {fix}.")
+
+
+def _index(ipr, device: str) -> int:
+    found = ipr.link_lookup(ifname=device)
+    if not found:
+        raise host.SetupError(
+            f"There is no network device {device!r} in this network namespace, so kpr cannot "
+            f"attach its NodePort programs to it. Name existing devices (`ip link` lists "
+            f"them) in kpr's device list."
+        )
+    return found[0]
+
+
+def _ensure_clsact(ipr, index: int, device: str) -> None:
+    kinds = {q.get_attr("TCA_KIND") for q in ipr.get_qdiscs(index=index)}
+    if "clsact" in kinds:
+        return
+    if "ingress" in kinds:
+        raise host.SetupError(
+            f"Device {device!r} has an `ingress` qdisc, which excludes the clsact qdisc kpr "
+            f"attaches its NodePort programs to. Move its filters to clsact (`tc qdisc add dev "
+            f"{device} clsact`, whose ingress hook is the same place) or remove it with "
+            f"`tc qdisc del dev {device} ingress`."
+        )
+    try:
+        ipr.tc("add", "clsact", index)
+    except Exception as err:
+        if getattr(err, "code", None) != errno.EEXIST:  # added meanwhile: fine
+            raise _setup_error(device, "add a clsact qdisc", err) from err
+
+
+_TCA_BPF_NAME = 7
+_TCA_BPF_ID = 11
+
+
+@dataclass(frozen=True)
+class _Filter:
+    info: int  # priority << 16 | protocol
+    handle: int
+    prog_id: int
+
+
+def _bpf_options(message) -> dict[int, bytes]:
+    """A bpf filter's TCA_OPTIONS as {type: payload}, read from the raw attribute:
+    pyroute2 does not decode TCA_BPF_ID (the attached program's id)."""
+    options = message.get_attr("TCA_OPTIONS")
+    if options is None:
+        return {}
+    data, offset, end = options.data, options.offset + 4, options.offset + options.length
+    out = {}
+    while offset + 4 <= end:
+        length, kind = struct.unpack_from("=HH", data, offset)
+        if length < 4:
+            break
+        out[kind & 0x3FFF] = bytes(data[offset + 4 : offset + length])
+        offset += (length + 3) & ~3
+    return out
+
+
+def _kpr_filters(ipr, index: int, direction: Direction) -> list[_Filter]:
+    """kpr's filters on one clsact hook: bpf filters named after kpr's function."""
+    found = []
+    for message in ipr.get_filters(index=index, parent=direction.parent):
+        if message.get_attr("TCA_KIND") != "bpf" or not message["handle"]:
+            continue
+        options = _bpf_options(message)
+        name = options.get(_TCA_BPF_NAME, b"").rstrip(b"\0").decode(errors="replace")
+        if name == direction.function:
+            prog_id = options.get(_TCA_BPF_ID, b"\0\0\0\0")[:4]
+            found.append(_Filter(message["info"], message["handle"], _u32(prog_id)))
+    return found
+
+
+def _u32(raw: bytes) -> int:
+    return struct.unpack("=I", raw.ljust(4, b"\0"))[0]
+
+
+def attach(pin_dir: Path, devices: Iterable[str]) -> None:
+    """Put the pinned programs on each device's clsact ingress and egress hooks,
+    replacing kpr's earlier filters in place."""
+    fds = {d.name: bpfsys.obj_get(prog_pin(pin_dir, d)) for d in DIRECTIONS}
+    try:
+        with _ipr() as ipr:
+            for device in devices:
+                index = _index(ipr, device)
+                _ensure_clsact(ipr, index, device)
+                for direction in DIRECTIONS:
+                    _replace_filter(ipr, index, device, direction, fds[direction.name])
+    finally:
+        for fd in fds.values():
+            os.close(fd)
+
+
+def _replace_filter(ipr, index: int, device: str, direction: Direction, fd: int) -> None:
+    ours = ((PRIORITY << 16) | socket.htons(ETH_P_ALL), HANDLE)
+    try:
+        ipr.tc(
+            "replace-filter",
+            "bpf",
+            index,
+            HANDLE,
+            fd=fd,
+            name=direction.function,
+            parent=direction.parent,
+            prio=PRIORITY,
+            protocol=ETH_P_ALL,
+            direct_action=True,
+        )
+    except Exception as err:
+        raise _setup_error(device, f"attach {direction.function} ({direction.name})", err) from err
+    # kpr filters elsewhere (another priority: an older kpr) go once the new one is in
+    for found in _kpr_filters(ipr, index, direction):
+        if (found.info, found.handle) != ours:
+            _delete_filter(ipr, index, direction, found.info, found.handle)
+
+
+def _delete_filter(ipr, index: int, direction: Direction, info: int, handle: int) -> bool:
+    try:
+        ipr.tc("del-filter", "bpf", index, handle, parent=direction.parent, info=info)
+    except Exception as err:
+        if getattr(err, "code", None) in (errno.ENOENT, errno.EINVAL):
+            return False  # gone meanwhile
+        raise
+    return True
+
+
+def detach(devices: Iterable[str]) -> int:
+    """Remove kpr's filters (only those) from each device; returns how many. Devices
+    that do not exist are skipped. The clsact qdisc stays: other tools may use it."""
+    count = 0
+    with _ipr() as ipr:
+        for device in devices:
+            found = ipr.link_lookup(ifname=device)
+            if not found:
+                continue
+            for direction in DIRECTIONS:
+                for f in _kpr_filters(ipr, found[0], direction):
+                    count += _delete_filter(ipr, found[0], direction, f.info, f.handle)
+    return count
+
+
+def attached(devices: Iterable[str], pin_dir: Path | None = None) -> dict[str, bool]:
+    """For each device: is kpr's filter on both hooks? With `pin_dir`, also: do both
+    run the pinned programs (not an older kpr's)?"""
+    pinned: dict[str, int] = {}
+    if pin_dir is not None:
+        for direction in DIRECTIONS:
+            try:
+                fd = bpfsys.obj_get(prog_pin(pin_dir, direction))
+            except OSError:
+                return {device: False for device in devices}
+            try:
+                pinned[direction.name] = bpfsys.prog_info(fd).id
+            finally:
+                os.close(fd)
+    out = {}
+    with _ipr() as ipr:
+        for device in devices:
+            found = ipr.link_lookup(ifname=device)
+            ok = bool(found)
+            for direction in DIRECTIONS if ok else []:
+                ids = [f.prog_id for f in _kpr_filters(ipr, found[0], direction)]
+                ok = ok and (bool(ids) if pin_dir is None else pinned[direction.name] in ids)
+            out[device] = ok
+    return out
+
+
+def _packed(address: Address, version: int) -> bytes:
+    size = 4 if version == 4 else 16
+    if address is None:
+        return bytes(size)
+    parsed = ipaddress.ip_address(address)
+    if parsed.version != version:
+        raise ValueError(f"{address} is not an IPv{version} address")
+    return parsed.packed
+
+
+def write_devices(
+    target: Path | bpfsys.PinnedMap, devices: Mapping[int, tuple[Address, Address]]
+) -> None:
+    """Make kpr_devices hold exactly `devices`: ifindex -> (IPv4, IPv6) address a
+    remote backend sees as the source of masqueraded flows (None: that family is
+    not masqueraded). `target`: the pin directory, or the opened map."""
+    spec = abi.MAPS["kpr_devices"]
+    owned = not isinstance(target, bpfsys.PinnedMap)
+    table = bpfsys.PinnedMap.open(target / spec.pin, ct.c_uint32, abi.Device) if owned else target
+    try:
+        for ifindex, (ipv4, ipv6) in devices.items():
+            value = abi.DEVICE.pack(_packed(ipv4, 4), _packed(ipv6, 6))
+            table.update_packed(abi.ID.pack(ifindex), value)
+        stale = []
+        for keys, _, count in table.dump():
+            for i in range(count):
+                (ifindex,) = abi.ID.unpack_from(keys, i * abi.ID.size)
+                if ifindex not in devices:
+                    stale.append(ifindex)
+        for ifindex in stale:
+            table.delete_packed(abi.ID.pack(ifindex))
+    finally:
+        if owned:
+            table.close()
+
+
+def device_addresses(devices: Iterable[str]) -> dict[int, tuple[str | None, str | None]]:
+    """ifindex -> (first global IPv4, first global IPv6) of each named device: what
+    write_devices takes. SetupError for a device that does not exist."""
+    out = {}
+    with _ipr() as ipr:
+        for device in devices:
+            index = _index(ipr, device)
+            ipv4 = ipv6 = None
+            for message in ipr.get_addr(index=index):
+                if message["scope"] != 0:  # RT_SCOPE_UNIVERSE only: not link-local
+                    continue
+                address = message.get_attr("IFA_ADDRESS")
+                if message["family"] == 2 and ipv4 is None:
+                    ipv4 = address
+                elif message["family"] == 10 and ipv6 is None:
+                    ipv6 = address
+            out[index] = (ipv4, ipv6)
+    return out
+
+
+def load(pin_dir: Path, sizes: abi.MapSizes, devices: list[str]) -> None:
+    """Compile, pin and attach in a child process (BCC and LLVM are large; the agent
+    does not need them once the programs are loaded)."""
+    argv = [sys.executable, "-m", "kpr.datapath.tc", str(pin_dir)]
+    argv += [json.dumps(dataclasses.asdict(sizes)), json.dumps(devices)]
+    result = subprocess.run(argv, capture_output=True, text=True)
+    if result.returncode == 0:
+        return
+    message = result.stderr.strip()
+    if result.returncode == _SETUP_ERROR and _SETUP_MARK in message:
+        raise host.SetupError(message.split(_SETUP_MARK, 1)[1].strip())
+    raise host.SetupError(f"Loading the TC programs failed (exit {result.returncode}):\n{message}")
+
+
+_SETUP_ERROR = 2
+_SETUP_MARK = "kpr-tc-loader-error:"
+
+
+def _main(argv: list[str]) -> int:
+    pin_dir, sizes = Path(argv[0]), abi.MapSizes(**json.loads(argv[1]))
+    devices = json.loads(argv[2])
+    try:
+        compile_and_pin(pin_dir, sizes)
+        attach(pin_dir, devices)
+    except host.SetupError as err:
+        print(f"{_SETUP_MARK} {err}", file=sys.stderr)
+        return _SETUP_ERROR
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_main(sys.argv[1:]))
