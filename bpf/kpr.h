@@ -27,6 +27,9 @@
 /* Frontend flags (struct kpr_service.flags, master entry). */
 #define KPR_SVC_F_NONE 0
 #define KPR_SVC_F_SOURCE_RANGES (1 << 0) /* only sources in kpr_source_ranges */
+/* no endpoint (count 0) because of externalTrafficPolicy Local while other nodes
+ * have some: dropped, as kube-proxy does, instead of refused */
+#define KPR_SVC_F_DROP (1 << 1)
 
 /* Which clients a frontend entry serves (service key .scope). A NodePort,
  * LoadBalancer IP or external IP has an entry in each: processes and pods on
@@ -44,7 +47,8 @@ enum kpr_outcome {
 	KPR_STAT_REVNAT_FULL = 4,   /* per-socket reverse entry could not be written */
 	KPR_STAT_EXT_TRANSLATED = 5, /* TC: a new external flow given a backend */
 	KPR_STAT_EXT_REJECTED = 6,  /* TC: no endpoints (or no NAT port): ICMP unreachable */
-	KPR_STAT_EXT_DENIED = 7,    /* TC: source outside loadBalancerSourceRanges: dropped */
+	KPR_STAT_EXT_DROPPED = 7,   /* TC: source outside loadBalancerSourceRanges, or
+				     * no local endpoint (KPR_SVC_F_DROP): dropped */
 	KPR_STAT_MAX = 8,
 };
 

@@ -558,9 +558,13 @@ static __always_inline int new_flow(struct __sk_buff *skb, struct flow *f)
 		};
 		__builtin_memcpy(rk.address, f->key.saddr, 16);
 		if (!kpr_source_ranges.lookup(&rk)) {
-			stat_inc(KPR_STAT_EXT_DENIED);
+			stat_inc(KPR_STAT_EXT_DROPPED);
 			return TC_ACT_SHOT;
 		}
+	}
+	if (master->count == 0 && (master->flags & KPR_SVC_F_DROP)) {
+		stat_inc(KPR_STAT_EXT_DROPPED);
+		return TC_ACT_SHOT;
 	}
 	if (master->count == 0)
 		return reject(skb, f);

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Protocol
 
 from kpr import conflicts, host, runstate
-from kpr.datapath import abi, loader, sockets
+from kpr.datapath import abi, loader, sockets, tc
 from kpr.datapath.maps import BpfMaps, execute
 from kpr.datapath.plan import apply_plan, plan
 from kpr.devices import Device
@@ -141,12 +141,15 @@ class Agent:
         host.ensure_bpffs(cfg.pin_dir)
         previous = runstate.load(cfg.pin_dir)
         loader.load(cfg.pin_dir, cgroup, cfg.sizes)
+        self._load_tc(previous)
         if previous and Path(previous.cgroup) != cgroup:
             moved = loader.detach(Path(previous.cgroup))
             log.info("detached %d programs from the previous cgroup %s", moved, previous.cgroup)
         self.maps = BpfMaps(cfg.pin_dir)
         self.programmed = self.maps.read()
         self.state = runstate.RunState(str(cfg.pin_dir), str(cgroup), self.source.description)
+        self.state.devices = {d.name: [str(a) for a in d.addresses] for d in cfg.devices}
+        self.state.node_port_addresses = [str(a) for a in cfg.node.node_port_addresses]
         self.state.conflicts = conflicts.kube_proxy_rules() + conflicts.foreign_programs(cgroup)
         for conflict in self.state.conflicts:
             log.warning("conflict: %s", conflict)
@@ -158,6 +161,25 @@ class Agent:
             len(self.programmed.services),
             len(self.programmed.backends),
         )
+
+    def _load_tc(self, previous: runstate.RunState | None) -> None:
+        """The TC program on the configured devices (and off those a previous run used
+        and this one does not), with each device's address for masquerading."""
+        cfg = self.config
+        names = [d.name for d in cfg.devices]
+        if names:
+            tc.load(cfg.pin_dir, cfg.sizes, names)
+        dropped = [name for name in (previous.devices if previous else {}) if name not in names]
+        if dropped:
+            log.info("TC programs taken off %d devices no longer configured", tc.detach(dropped))
+        if names or dropped:
+            tc.write_devices(cfg.pin_dir, {d.index: (d.first(4), d.first(6)) for d in cfg.devices})
+        if names:
+            log.info(
+                "TC programs on %s; NodePorts answer on %s",
+                ", ".join(names),
+                ", ".join(str(a) for a in cfg.node.node_port_addresses) or "no address",
+            )
 
     # --- translation ------------------------------------------------------------
 
@@ -328,6 +350,13 @@ class Agent:
             )
             loader.reattach(self.config.pin_dir, self.cgroup, missing)
             self.repairs += len(missing)
+        names = [d.name for d in self.config.devices]
+        if names:
+            gone = [n for n, ok in tc.attached(names, self.config.pin_dir).items() if not ok]
+            if gone:
+                log.warning("TC programs gone from %s; attaching them again", ", ".join(gone))
+                tc.attach(self.config.pin_dir, gone)
+                self.repairs += len(gone)
 
     def _udp_backends(self, frontends: set[Frontend] | None) -> set[Backend]:
         """Backends that UDP frontends (these, or all) send to in the maps."""

@@ -227,6 +227,11 @@ def cleanup(
     for target in sorted(targets):
         count = loader.detach(target)
         typer.echo(f"detached {count} programs from {target}")
+    if state and state.devices:
+        from kpr.datapath import tc
+
+        count = tc.detach(state.devices)
+        typer.echo(f"detached {count} TC filters from {', '.join(state.devices)}")
     loader.unpin_all(bpffs)
     runstate.remove(bpffs)
     typer.echo(f"removed {bpffs}")

@@ -211,6 +211,8 @@ class FrontendState:
     kind: str = "ClusterIP"  # ClusterIP | NodePort | LoadBalancer | ExternalIP, for status
     # loadBalancerSourceRanges (LoadBalancer IPs, external scope); empty: any source
     source_ranges: tuple[IPNetwork, ...] = ()
+    # no backends only because of externalTrafficPolicy Local: drop, don't refuse
+    drop: bool = False
 
 
 @dataclass(frozen=True)

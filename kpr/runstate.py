@@ -50,6 +50,9 @@ class RunState:
     failed: list[str] = field(default_factory=list)
     watches: dict[str, dict] = field(default_factory=dict)  # the source's status
     conflicts: list[str] = field(default_factory=list)  # found at start (kpr/conflicts.py)
+    # the TC program's devices: name -> addresses; NodePorts answer on node_port_addresses
+    devices: dict[str, list[str]] = field(default_factory=dict)
+    node_port_addresses: list[str] = field(default_factory=list)
     # seconds from the source's first complete list to the maps programmed
     first_sync_after_list: float | None = None
 

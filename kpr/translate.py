@@ -94,9 +94,8 @@ def _translate_service(
                 continue
             # Each address is served from the slices of its own IP family.
             family = f"IPv{frontend.address.version}"
-            backends = select_backends(
-                port, [s for s in slices if s.address_type == family], policy, node
-            )
+            family_slices = [s for s in slices if s.address_type == family]
+            backends = select_backends(port, family_slices, policy, node)
             if len(backends) > MAX_SLOTS:
                 translation.problems.append(
                     Problem(
@@ -118,8 +117,15 @@ def _translate_service(
                 )
                 if service.load_balancer_source_ranges and not ranges:
                     continue  # no source of this family is allowed: nothing to serve
+            # kube-proxy drops external traffic that has endpoints, just none on this node
+            drop = (
+                frontend.scope == EXTERNAL
+                and policy == "Local"
+                and not backends
+                and has_ready_endpoints(port, family_slices)
+            )
             translation.frontends[frontend] = FrontendState(
-                service_port_name(service, port), backends, affinity_timeout, kind, ranges
+                service_port_name(service, port), backends, affinity_timeout, kind, ranges, drop
             )
 
 
@@ -154,6 +160,10 @@ def frontends_of(
     localhost = node.localhost_node_ports and 4 in families
     if node_port and localhost and LOCALHOST not in node.node_port_addresses:
         yield Frontend(LOCALHOST, node_port, protocol, SOCKET), "NodePort", "Cluster"
+
+
+def has_ready_endpoints(port: ServicePort, slices: list[EndpointSlice]) -> bool:
+    return any(e.ready for e in merge_endpoints(port, slices).values())
 
 
 def local_ready_endpoints(service: Service, slices: list[EndpointSlice], node: NodeContext) -> int:

@@ -698,3 +698,13 @@ def test_health_check_node_port_counts_local_ready_endpoints_per_port_as_kube_pr
     assert translation.health_checks == {("default", "web"): (32100, 2)}
     cluster = replace(svc, external_traffic_policy="Cluster")
     assert translate([cluster], [eps], EXTERNAL_NODE).health_checks == {}
+
+
+def test_local_policy_without_a_local_endpoint_drops_where_no_endpoint_at_all_refuses():
+    svc = service(ports=(HTTP_NP,), type="NodePort", external_traffic_policy="Local")
+    remote_only = endpoint_slice(endpoint("10.244.2.11", node_name="node-2"))
+    external = Frontend(NODE_IP, 30080, "TCP", EXTERNAL)
+    state = translate([svc], [remote_only], EXTERNAL_NODE).frontends[external]
+    assert (state.backends, state.drop) == ((), True)
+    state = translate([svc], [], EXTERNAL_NODE).frontends[external]
+    assert (state.backends, state.drop) == ((), False)

@@ -30,12 +30,13 @@ STAT_NAMES = {
     4: "revnat_full",
     5: "external_translated",
     6: "external_rejected",
-    7: "external_denied",
+    7: "external_dropped",
 }
 STAT_MAX = 8
 
 # struct kpr_service.flags
 SVC_F_SOURCE_RANGES = 1 << 0
+SVC_F_DROP = 1 << 1
 
 
 # Addresses: bytes in network order. Ports: host order (bpftool shows them plainly).

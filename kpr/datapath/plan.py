@@ -27,7 +27,8 @@ SourceRange = tuple[int, IPNetwork]  # (service id, allowed source network)
 
 def flags_of(state: FrontendState) -> int:
     """The master entry's flags for a desired frontend."""
-    return abi.SVC_F_SOURCE_RANGES if state.source_ranges else 0
+    flags = abi.SVC_F_SOURCE_RANGES if state.source_ranges else 0
+    return flags | (abi.SVC_F_DROP if state.drop else 0)
 
 
 @dataclass

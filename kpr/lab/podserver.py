@@ -1,8 +1,9 @@
 """A pod's server: tells every TCP and UDP client which pod answered.
 
-TCP: on accept, write ``NAME\\n`` and close, without waiting for input, so a plain
-``connect(); recv()`` client learns which backend it reached. UDP: answer every datagram with
-``NAME\\n``. One dual-stack socket per protocol serves both IPv4 and IPv6.
+TCP: on accept, write ``NAME CLIENT\\n`` (CLIENT: the address the pod sees) and close, without
+waiting for input, so a plain ``connect(); recv()`` client learns which backend it reached.
+UDP: answer every datagram with ``NAME CLIENT\\n``. One dual-stack socket per protocol serves
+both IPv4 and IPv6.
 """
 
 from __future__ import annotations
@@ -13,9 +14,15 @@ import socket
 from typing import cast
 
 
+def _reply(name: str, peer: tuple) -> bytes:
+    """NAME and the client address this pod sees (masqueraded or not)."""
+    host = peer[0].removeprefix("::ffff:") if peer else "?"
+    return f"{name} {host}\n".encode()
+
+
 class _UdpAnswer(asyncio.DatagramProtocol):
-    def __init__(self, reply: bytes) -> None:
-        self._reply = reply
+    def __init__(self, name: str) -> None:
+        self._name = name
         self._transport: asyncio.DatagramTransport | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -24,7 +31,7 @@ class _UdpAnswer(asyncio.DatagramProtocol):
 
     def datagram_received(self, data: bytes, addr: tuple[str, int]) -> None:
         if self._transport is not None:
-            self._transport.sendto(self._reply, addr)
+            self._transport.sendto(_reply(self._name, addr), addr)
 
 
 def _dual_stack_socket(kind: socket.SocketKind, port: int) -> socket.socket:
@@ -37,10 +44,8 @@ def _dual_stack_socket(kind: socket.SocketKind, port: int) -> socket.socket:
 
 
 async def serve(name: str, port: int) -> None:
-    reply = f"{name}\n".encode()
-
     async def answer_tcp(_reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        writer.write(reply)
+        writer.write(_reply(name, writer.get_extra_info("peername")))
         try:
             await writer.drain()
         except ConnectionError:
@@ -52,7 +57,7 @@ async def serve(name: str, port: int) -> None:
     tcp.listen(4096)
     server = await asyncio.start_server(answer_tcp, sock=tcp, backlog=4096)
     udp = _dual_stack_socket(socket.SOCK_DGRAM, port)
-    await asyncio.get_running_loop().create_datagram_endpoint(lambda: _UdpAnswer(reply), sock=udp)
+    await asyncio.get_running_loop().create_datagram_endpoint(lambda: _UdpAnswer(name), sock=udp)
     async with server:
         await server.serve_forever()
 

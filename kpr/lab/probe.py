@@ -47,6 +47,12 @@ def _recv_line(sock: socket.socket) -> str:
     return chunks.decode().strip()
 
 
+def _answer(line: str, peer: str) -> dict:
+    """A pod server's "NAME CLIENT" line: which pod answered, and who it saw as the client."""
+    pod, _, seen = line.partition(" ")
+    return {"pod": pod, "peer": peer, "seen": seen}
+
+
 def tcp_once(address: str, port: int) -> dict:
     with socket.socket(family_of(address), socket.SOCK_STREAM) as sock:
         sock.settimeout(SOCKET_TIMEOUT_S)
@@ -58,7 +64,7 @@ def tcp_once(address: str, port: int) -> dict:
             return {"error": errno_name(exc)}
     if not pod:
         return {"error": "EMPTY", "peer": peer}
-    return {"pod": pod, "peer": peer}
+    return _answer(pod, peer)
 
 
 def udp_connected_once(address: str, port: int) -> dict:
@@ -71,7 +77,7 @@ def udp_connected_once(address: str, port: int) -> dict:
             peer = format_endpoint(sock.getpeername())
         except OSError as exc:
             return {"error": errno_name(exc)}
-    return {"pod": pod, "peer": peer}
+    return _answer(pod, peer)
 
 
 def udp_unconnected(address: str, port: int, count: int, sockets: int) -> list[dict]:
@@ -86,7 +92,7 @@ def udp_unconnected(address: str, port: int, count: int, sockets: int) -> list[d
                     results.append(
                         {
                             "socket": index,
-                            "pod": data.decode().strip(),
+                            "pod": data.decode().split()[0],
                             "source": format_endpoint(source),
                         }
                     )
@@ -122,7 +128,7 @@ def loop_udp_connected(address: str, port: int, duration_s: float) -> dict:
                 sock.settimeout(0.5)
                 sock.connect((address, port))
             sock.send(b"probe\n")
-            pod = sock.recv(256).decode().strip()
+            pod = sock.recv(256).decode().split()[0]
             if not pods or pods[-1] != pod:
                 pods.append(pod)
         except OSError as exc:

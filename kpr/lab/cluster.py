@@ -1,0 +1,159 @@
+"""A multi-node lab on one machine: nodes with pods, a node network, an external client.
+
+Layout (N nodes; i = 1..N)::
+
+    client netns   eth0 192.168.50.100/24 fd00:50::100/64 (and .101 / ::101)
+                     ║
+    lan netns      bridge "lan" ── c0, n1, n2, ...
+                     ║
+    node-i netns   eth0 192.168.50.i/24 fd00:50::i/64       (the node's address)
+                   br0  10.244.i.1/24  fd00:244:i::1/64     (kpr.lab.netns.Lab: pods)
+                   routes to the other nodes' pod networks via their eth0 address
+
+Each node is a `kpr.lab.netns.Lab` (its own netns, pods and client cgroup) joined to the
+node network; each node runs its own kpr agent (`Cluster.agent_command`): its own cgroup,
+pin directory and devices. The client reaches LoadBalancer and external IPs (LB_NET) through
+node-1, as a router in front of a cluster would send them. Nothing here touches the
+machine's own network namespace.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from ipaddress import IPv4Address, IPv6Address, ip_address
+from pathlib import Path
+
+from kpr.lab.netns import Lab, _delete_netns, _disable_ipv6_dad, _ip_batch, _netns_names, _run
+
+LAN4, LAN6 = "192.168.50.", "fd00:50::"
+CLIENT_HOSTS = (100, 101)  # two client addresses: source ranges allow one and not the other
+LB_NET4, LB_NET6 = "192.168.60.0/24", "fd00:60::/64"  # LoadBalancer and external IPs
+
+
+class Node:
+    def __init__(self, index: int, lab: Lab) -> None:
+        self.index = index
+        self.name = f"node-{index}"
+        self.lab = lab
+        self.ipv4: IPv4Address = ip_address(f"{LAN4}{index}")  # type: ignore[assignment]
+        self.ipv6: IPv6Address = ip_address(f"{LAN6}{index}")  # type: ignore[assignment]
+
+    @property
+    def netns(self) -> str:
+        return self.lab.node_netns
+
+
+class Cluster:
+    """`nodes` nodes with `pods` pods each, a node network and an external client."""
+
+    def __init__(self, nodes: int = 2, pods: int = 2, prefix: str = "kprcl") -> None:
+        self.nodes: list[Node] = []
+        self.lan_netns = self.client_netns = ""
+        try:
+            for index in range(1, nodes + 1):
+                lab = Lab(
+                    pods=pods,
+                    prefix=prefix,
+                    node_ipv4_net=f"10.244.{index}.0/24",
+                    node_ipv6_net=f"fd00:244:{index}::/64",
+                )
+                self.nodes.append(Node(index, lab))
+            self.lan_netns = f"{self.nodes[0].lab.lab_id}-lan"
+            self.client_netns = f"{self.nodes[0].lab.lab_id}-client"
+            self._wire()
+        except BaseException:
+            self.close()
+            raise
+
+    def __enter__(self) -> Cluster:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def _wire(self) -> None:
+        for name in (self.lan_netns, self.client_netns):
+            _run(["ip", "netns", "add", name])
+            _disable_ipv6_dad(name)
+        _ip_batch(
+            self.lan_netns,
+            ["link set lo up", "link add lan type bridge mcast_snooping 0", "link set lan up"],
+        )
+        self._plug(self.client_netns, "c0")
+        client = ["link set lo up", "link set eth0 up"]
+        for host in CLIENT_HOSTS:
+            client += [f"addr add {LAN4}{host}/24 dev eth0", f"addr add {LAN6}{host}/64 dev eth0"]
+        first = self.nodes[0]
+        client += [f"route add {LB_NET4} via {first.ipv4}", f"route add {LB_NET6} via {first.ipv6}"]
+        _ip_batch(self.client_netns, client)
+        for node in self.nodes:
+            self._plug(node.netns, f"n{node.index}")
+            commands = [
+                "link set eth0 up",
+                f"addr add {node.ipv4}/24 dev eth0",
+                f"addr add {node.ipv6}/64 dev eth0 nodad",
+            ]
+            for other in self.nodes:
+                if other is not node:
+                    commands += [
+                        f"route add {other.lab.ipv4_net} via {other.ipv4}",
+                        f"route add {other.lab.ipv6_net} via {other.ipv6}",
+                    ]
+            _ip_batch(node.netns, commands)
+            _run(
+                [
+                    *("ip", "netns", "exec", node.netns, "sysctl", "-q", "-w"),
+                    "net.ipv4.ip_forward=1",
+                    "net.ipv6.conf.all.forwarding=1",
+                ]
+            )
+
+    def _plug(self, netns: str, lan_side: str) -> None:
+        """A veth from `netns` (as eth0) to the lan bridge (as `lan_side`)."""
+        _ip_batch(
+            self.lan_netns,
+            [
+                f"link add {lan_side} type veth peer name eth0 netns {netns}",
+                f"link set {lan_side} master lan up",
+            ],
+        )
+
+    def client_command(self, argv: list[str]) -> list[str]:
+        return ["ip", "netns", "exec", self.client_netns, *argv]
+
+    def agent_command(self, node: Node, source: Path, pin_dir: Path, *extra: str) -> list[str]:
+        """`kpr run` for one node: in its netns (nsenter keeps the machine's /sys, where
+        bpffs and cgroup2 are; `ip netns exec` would mount a fresh sysfs), its own cgroup,
+        pin directory and device."""
+        return [
+            *("nsenter", f"--net=/run/netns/{node.netns}"),
+            *(sys.executable, "-m", "kpr.cli", "run", "--devices", "eth0"),
+            *("--source", str(source), "--cgroup", str(node.lab.cgroup)),
+            *("--bpffs", str(pin_dir), "--node-name", node.name),
+            *("--healthz-bind-address", "", "--metrics-bind-address", ""),
+            *extra,
+        ]
+
+    def close(self) -> None:
+        failures = []
+        for name in (self.client_netns, self.lan_netns):
+            if name and name in _netns_names():
+                try:
+                    _delete_netns(name)
+                except Exception as exc:  # keep going: the nodes must go too
+                    failures.append(f"netns {name}: {exc}")
+        for node in self.nodes:
+            try:
+                node.lab.close()
+            except Exception as exc:
+                failures.append(str(exc))
+        self.nodes.clear()
+        if failures:
+            raise RuntimeError("cluster lab clean-up incomplete: " + "; ".join(failures))
+
+
+def python_env() -> dict[str, str]:
+    from kpr.lab.netns import _python_env
+
+    return _python_env() | {"PYTHONUNBUFFERED": "1", "HOME": os.environ.get("HOME", "/root")}
