@@ -19,7 +19,6 @@ machine's own network namespace.
 
 from __future__ import annotations
 
-import os
 import sys
 from ipaddress import IPv4Address, IPv6Address, ip_address
 from pathlib import Path
@@ -57,6 +56,7 @@ class Cluster:
                     prefix=prefix,
                     node_ipv4_net=f"10.244.{index}.0/24",
                     node_ipv6_net=f"fd00:244:{index}::/64",
+                    pod_prefix=f"n{index}-pod",
                 )
                 self.nodes.append(Node(index, lab))
             self.lan_netns = f"{self.nodes[0].lab.lab_id}-lan"
@@ -151,9 +151,3 @@ class Cluster:
         self.nodes.clear()
         if failures:
             raise RuntimeError("cluster lab clean-up incomplete: " + "; ".join(failures))
-
-
-def python_env() -> dict[str, str]:
-    from kpr.lab.netns import _python_env
-
-    return _python_env() | {"PYTHONUNBUFFERED": "1", "HOME": os.environ.get("HOME", "/root")}

@@ -74,7 +74,9 @@ class Lab:
         port: int = 8080,
         node_ipv4_net: str = "10.244.1.0/24",
         node_ipv6_net: str = "fd00:244:1::/64",
+        pod_prefix: str = "pod",
     ) -> None:
+        self.pod_prefix = pod_prefix
         self.lab_id = f"{prefix}-{os.getpid()}-{next(_lab_counter)}"
         self.port = port
         self.ipv4_net = IPv4Network(node_ipv4_net)
@@ -186,7 +188,7 @@ class Lab:
             raise ValueError(f"{self.ipv4_net} has no room for pod {index}")
         # The IPv6 host part spells the IPv4 one: 10.244.1.25 <-> fd00:244:1::25.
         pod = Pod(
-            name=f"pod-{index}",
+            name=f"{self.pod_prefix}-{index}",
             netns=f"{self.lab_id}-p{index}",
             ipv4=self.ipv4_net[host],
             ipv6=self.ipv6_net[int(str(host), 16)],

@@ -53,10 +53,12 @@ def _answer(line: str, peer: str) -> dict:
     return {"pod": pod, "peer": peer, "seen": seen}
 
 
-def tcp_once(address: str, port: int) -> dict:
+def tcp_once(address: str, port: int, source: str | None = None) -> dict:
     with socket.socket(family_of(address), socket.SOCK_STREAM) as sock:
         sock.settimeout(SOCKET_TIMEOUT_S)
         try:
+            if source:
+                sock.bind((source, 0))
             sock.connect((address, port))
             peer = format_endpoint(sock.getpeername())
             pod = _recv_line(sock)
@@ -67,10 +69,12 @@ def tcp_once(address: str, port: int) -> dict:
     return _answer(pod, peer)
 
 
-def udp_connected_once(address: str, port: int) -> dict:
+def udp_connected_once(address: str, port: int, source: str | None = None) -> dict:
     with socket.socket(family_of(address), socket.SOCK_DGRAM) as sock:
         sock.settimeout(SOCKET_TIMEOUT_S)
         try:
+            if source:
+                sock.bind((source, 0))
             sock.connect((address, port))
             sock.send(b"probe\n")
             pod = sock.recv(256).decode().strip()
@@ -164,6 +168,8 @@ def main(argv: list[str] | None = None) -> int:
             command.add_argument("--duration", type=float, required=True, help="seconds")
         else:
             command.add_argument("--count", type=int, default=1)
+        if name in ("tcp", "udp-connected"):
+            command.add_argument("--bind", help="source address (default: the kernel's choice)")
         if name == "udp-unconnected":
             command.add_argument("--sockets", type=int, default=1)
     wait = commands.add_parser("wait")
@@ -173,10 +179,14 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     if args.command == "tcp":
-        output: dict = {"results": [tcp_once(args.address, args.port) for _ in range(args.count)]}
+        output: dict = {
+            "results": [tcp_once(args.address, args.port, args.bind) for _ in range(args.count)]
+        }
     elif args.command == "udp-connected":
         output = {
-            "results": [udp_connected_once(args.address, args.port) for _ in range(args.count)]
+            "results": [
+                udp_connected_once(args.address, args.port, args.bind) for _ in range(args.count)
+            ]
         }
     elif args.command == "udp-unconnected":
         output = {"results": udp_unconnected(args.address, args.port, args.count, args.sockets)}

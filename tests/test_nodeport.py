@@ -1,0 +1,264 @@
+"""NodePort, LoadBalancer and external IPs end to end: a two-node lab, a kpr agent per node.
+
+The external client (its own netns) connects to node addresses and LoadBalancer/external
+IPs over the lab's node network; the TC program on each node's eth0 translates. Pod
+servers answer with their name and the client address they saw, so masquerading and
+source preservation are visible.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from kpr import runstate
+from tests import kube
+
+KPR = [sys.executable, "-m", "kpr.cli"]
+CLIENT, OTHER_CLIENT = "192.168.50.100", "192.168.50.101"
+LB_IP, EXTERNAL_IP, LB_IP6 = "192.168.60.10", "192.168.60.20", "fd00:60::10"
+POD_PORTS = [("http", 8080, "TCP"), ("dns", 8080, "UDP")]
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    from tests.conftest import _skip_unless_kernel_ready
+
+    _skip_unless_kernel_ready()
+    if shutil.which("nsenter") is None:
+        pytest.skip("nsenter (util-linux) is needed to run an agent in a node's netns")
+    from kpr.lab.cluster import Cluster
+
+    with Cluster(nodes=2, pods=2) as lab:
+        yield lab
+
+
+class Agents:
+    """One `kpr run` per node, all reading one manifest directory."""
+
+    def __init__(self, cluster, source: Path, logs: Path) -> None:
+        self.cluster = cluster
+        self.source = source
+        self.logs = logs
+        self.pins = {
+            n.name: Path(f"/sys/fs/bpf/kpr-np-{uuid.uuid4().hex[:8]}") for n in cluster.nodes
+        }
+        self.processes: dict[str, subprocess.Popen] = {}
+
+    def start(self) -> None:
+        began = time.time()
+        for node in self.cluster.nodes:
+            with (self.logs / f"{node.name}.log").open("a") as log:
+                argv = self.cluster.agent_command(node, self.source, self.pins[node.name])
+                self.processes[node.name] = subprocess.Popen(
+                    argv, stdout=log, stderr=subprocess.STDOUT
+                )
+        self.wait_synced(began)
+
+    def wait_synced(self, after: float) -> None:
+        for node in self.cluster.nodes:
+            try:
+                runstate.wait_synced(self.pins[node.name], self.processes[node.name], after, 60)
+            except (RuntimeError, TimeoutError) as err:
+                raise AssertionError(f"{err}:\n{self.log(node.name)}") from err
+
+    def log(self, name: str) -> str:
+        return (self.logs / f"{name}.log").read_text()
+
+    def stop(self) -> None:
+        for node in self.cluster.nodes:
+            process = self.processes.pop(node.name, None)
+            if process and process.poll() is None:
+                process.send_signal(signal.SIGKILL)
+                process.wait(10)
+            subprocess.run(
+                ["nsenter", f"--net=/run/netns/{node.netns}", *KPR, "cleanup", "--bpffs",
+                 str(self.pins[node.name]), "--cgroup", str(node.lab.cgroup)],
+                capture_output=True,
+            )  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def agents(cluster, tmp_path_factory):
+    directory = tmp_path_factory.mktemp("nodeport")
+    source = directory / "manifests"
+    source.mkdir()
+    write_services(cluster, source)
+    running = Agents(cluster, source, directory)
+    running.start()
+    yield running
+    running.stop()
+
+
+def node_port_service(name: str, node_port: int, **spec) -> dict:
+    svc = kube.service(name, [f"10.96.1.{node_port % 200}"], [], type="NodePort", **spec)
+    svc["spec"]["ports"] = [
+        {"name": "http", "port": 80, "protocol": "TCP", "targetPort": 8080, "nodePort": node_port},
+        {"name": "dns", "port": 53, "protocol": "UDP", "targetPort": 8080, "nodePort": node_port},
+    ]
+    return svc
+
+
+def slice_on(name: str, pods: list, family: int = 4) -> dict:
+    """An EndpointSlice of `pods` (each (pod, node name)), with their nodeName."""
+    addresses = [str(pod.ipv4 if family == 4 else pod.ipv6) for pod, _ in pods]
+    eps = kube.endpoint_slice(name, addresses, POD_PORTS, name=f"{name}-v{family}")
+    for endpoint, (_, node) in zip(eps["endpoints"], pods, strict=True):
+        endpoint["nodeName"] = node
+    return eps
+
+
+def write_services(cluster, source: Path) -> None:
+    n1, n2 = cluster.nodes
+    both = [(n1.lab.pods[0], "node-1"), (n2.lab.pods[0], "node-2")]
+    only_node1 = [(n1.lab.pods[1], "node-1")]
+    cluster_svc = node_port_service("web", 30080)
+    cluster_svc["spec"]["ipFamilies"] = ["IPv4", "IPv6"]
+    cluster_svc["spec"]["clusterIPs"] = ["10.96.1.80", "fd00:96::80"]
+    local = node_port_service("local", 30081, externalTrafficPolicy="Local")
+    local["spec"]["type"] = "LoadBalancer"
+    local["spec"]["healthCheckNodePort"] = 32081
+    lb = node_port_service("lb", 30082, loadBalancerSourceRanges=[f"{CLIENT}/32"])
+    lb["spec"]["type"] = "LoadBalancer"
+    lb["spec"]["externalIPs"] = [EXTERNAL_IP]
+    lb["status"] = {"loadBalancer": {"ingress": [{"ip": LB_IP}]}}
+    sticky = node_port_service("sticky", 30083, sessionAffinity="ClientIP")
+    empty = node_port_service("empty", 30084)
+    kube.write(source, "web.yaml", cluster_svc, slice_on("web", both), slice_on("web", both, 6))
+    kube.write(source, "local.yaml", local, slice_on("local", only_node1))
+    kube.write(source, "lb.yaml", lb, slice_on("lb", both))
+    kube.write(source, "sticky.yaml", sticky, slice_on("sticky", both))
+    kube.write(source, "empty.yaml", empty)
+
+
+def probe(cluster, kind: str, address: str, port: int, count: int = 1, source: str = CLIENT):
+    """Probe results from the external client, bound to `source`."""
+    argv = [sys.executable, "-m", "kpr.lab.probe", kind, address, str(port), "--count", str(count)]
+    argv += ["--bind", source] if ":" not in address else []
+    out = subprocess.run(cluster.client_command(argv), capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout)["results"]
+
+
+def test_node_port_reaches_local_and_remote_backends_masquerading_only_the_remote(cluster, agents):
+    n1, n2 = cluster.nodes
+    results = probe(cluster, "tcp", str(n1.ipv4), 30080, count=40)
+    seen = {r.get("pod"): r.get("seen") for r in results}
+    assert seen == {n1.lab.pods[0].name: CLIENT, n2.lab.pods[0].name: str(n1.ipv4)}, results
+    # the client sees the address it connected to, not a backend
+    assert {r["peer"] for r in results} == {f"{n1.ipv4}:30080"}
+
+
+def test_node_port_over_ipv6_and_udp(cluster, agents):
+    n1, n2 = cluster.nodes
+    v6 = probe(cluster, "tcp", str(n1.ipv6), 30080, count=30)
+    assert {r.get("pod") for r in v6} == {n1.lab.pods[0].name, n2.lab.pods[0].name}, v6
+    udp = probe(cluster, "udp-connected", str(n2.ipv4), 30080, count=30)
+    assert {r.get("pod") for r in udp} == {n1.lab.pods[0].name, n2.lab.pods[0].name}, udp
+    assert {r.get("seen") for r in udp if r.get("pod") == n2.lab.pods[0].name} == {CLIENT}
+
+
+def test_local_policy_keeps_the_client_address_and_drops_where_no_endpoint_is_local(
+    cluster, agents
+):
+    n1, n2 = cluster.nodes
+    results = probe(cluster, "tcp", str(n1.ipv4), 30081, count=10)
+    assert {(r.get("pod"), r.get("seen")) for r in results} == {(n1.lab.pods[1].name, CLIENT)}
+    dropped = probe(cluster, "tcp", str(n2.ipv4), 30081)
+    assert dropped[0].get("error") == "ETIMEDOUT", dropped  # dropped, as kube-proxy: no answer
+
+
+def test_health_check_node_port_answers_per_node(cluster, agents):
+    n1, n2 = cluster.nodes
+    script = (
+        "import sys, urllib.request, urllib.error\n"
+        "try:\n    r = urllib.request.urlopen(sys.argv[1], timeout=5)\n"
+        "except urllib.error.HTTPError as e:\n    r = e\n"
+        "print(r.status, r.headers['X-Load-Balancing-Endpoint-Weight'], r.read().decode())"
+    )
+    answers = {}
+    for node in (n1, n2):
+        url = f"http://{node.ipv4}:32081/"
+        out = subprocess.run(
+            cluster.client_command([sys.executable, "-c", script, url]),
+            capture_output=True,
+            text=True,
+        )
+        status, weight, body = out.stdout.split(" ", 2)
+        answers[node.name] = (int(status), weight, json.loads(body)["localEndpoints"])
+    assert answers == {"node-1": (200, "2", 2), "node-2": (503, "0", 0)}  # per port, as upstream
+
+
+def test_load_balancer_ip_source_ranges_and_external_ip(cluster, agents):
+    allowed = probe(cluster, "tcp", LB_IP, 80, count=5)
+    assert all("pod" in r for r in allowed), allowed
+    denied = probe(cluster, "tcp", LB_IP, 80, source=OTHER_CLIENT)
+    assert denied[0].get("error") == "ETIMEDOUT", denied
+    # the ranges limit the LoadBalancer IP only: the NodePort and the external IP stay open
+    assert "pod" in probe(cluster, "tcp", str(cluster.nodes[0].ipv4), 30082, source=OTHER_CLIENT)[0]
+    assert "pod" in probe(cluster, "tcp", EXTERNAL_IP, 80, source=OTHER_CLIENT)[0]
+
+
+def test_no_endpoints_are_refused_at_once(cluster, agents):
+    began = time.monotonic()
+    results = probe(cluster, "tcp", str(cluster.nodes[0].ipv4), 30084, count=3)
+    assert [r.get("error") for r in results] == ["ECONNREFUSED"] * 3, results
+    assert time.monotonic() - began < 5  # ICMP port unreachable, not a hang
+
+
+def test_client_ip_affinity_keeps_one_backend(cluster, agents):
+    results = probe(cluster, "tcp", str(cluster.nodes[0].ipv4), 30083, count=20)
+    assert len({r.get("pod") for r in results}) == 1, results
+
+
+FLOW_CLIENT = """
+import json, socket, sys, time
+sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+sock.settimeout(1)
+sock.connect((sys.argv[1], int(sys.argv[2])))
+sock.send(b"x")
+print(sock.recv(256).decode().split()[0], flush=True)
+sys.stdin.readline()  # the other backend is gone now
+pods, errors = set(), 0
+for _ in range(30):
+    try:
+        sock.send(b"x")
+        pods.add(sock.recv(256).decode().split()[0])
+    except OSError:
+        errors += 1
+    time.sleep(0.02)
+print(json.dumps({"pods": sorted(pods), "errors": errors}), flush=True)
+"""
+
+
+def test_a_flow_to_a_surviving_backend_continues_when_another_is_removed(cluster, agents):
+    n1, n2 = cluster.nodes
+    both = {
+        n1.lab.pods[0].name: (n1.lab.pods[0], "node-1"),
+        n2.lab.pods[0].name: (n2.lab.pods[0], "node-2"),
+    }
+    argv = [sys.executable, "-c", FLOW_CLIENT, str(n1.ipv4), "30080"]
+    client = subprocess.Popen(
+        cluster.client_command(argv), stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        first = client.stdout.readline().strip()
+        assert first in both, first
+        svc = node_port_service("web", 30080)
+        began = time.time()
+        kube.write(agents.source, "web.yaml", svc, slice_on("web", [both[first]]))
+        agents.wait_synced(began)
+        out, _ = client.communicate("go\n", timeout=30)
+    finally:
+        client.kill()
+    assert json.loads(out) == {"pods": [first], "errors": 0}
+    # and new flows only reach the survivor
+    assert {r.get("pod") for r in probe(cluster, "tcp", str(n1.ipv4), 30080, count=10)} == {first}
