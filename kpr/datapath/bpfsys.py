@@ -330,11 +330,11 @@ def prog_test_run(
     opts.repeat = repeat
     if ctx is not None:
         ctx_in = ct.create_string_buffer(bytes(ctx), len(ctx))
-        ctx_out = ct.create_string_buffer(len(ctx))
+        ctx_out = ct.create_string_buffer(max(len(ctx), 256))  # the kernel writes it whole
         opts.ctx_in = ct.cast(ctx_in, ct.c_void_p)
         opts.ctx_size_in = len(ctx)
         opts.ctx_out = ct.cast(ctx_out, ct.c_void_p)
-        opts.ctx_size_out = len(ctx)
+        opts.ctx_size_out = len(ctx_out)
     _check(_libbpf.bpf_prog_test_run_opts(prog_fd, ct.byref(opts)), "BPF_PROG_TEST_RUN")
     return ProgRun(
         ct.c_int32(opts.retval).value,
