@@ -75,11 +75,18 @@ class RunState:
 
 
 def _state(state: FrontendState) -> dict:
-    return {
+    out = {
         "service": state.service,
         "backends": [str(b) for b in state.backends],
         "affinity_timeout": state.affinity_timeout,
     }
+    if state.kind != "ClusterIP":  # the common case is left implicit: this file can be large
+        out["kind"] = state.kind
+    if state.source_ranges:
+        out["source_ranges"] = [str(r) for r in state.source_ranges]
+    if state.drop:
+        out["drop"] = True
+    return out
 
 
 def load(pin_dir: Path) -> RunState | None:

@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 
 from kpr import host, runstate
-from kpr.datapath import abi, loader
+from kpr.datapath import abi, loader, tc
 from kpr.datapath.maps import BpfMaps
 from kpr.datapath.plan import ProgrammedState
 
@@ -63,14 +63,17 @@ def report(pin_dir: Path) -> dict:
     services = []
     for frontend in sorted(view):
         want = desired.get(frontend, {})
-        services.append(
-            {
-                "frontend": frontend,
-                "service": want.get("service", "?"),
-                "service_id": ids[frontend],
-                "backends": view[frontend],
-            }
-        )
+        entry = {
+            "frontend": frontend,
+            "kind": want.get("kind", "ClusterIP"),
+            "service": want.get("service", "?"),
+            "service_id": ids[frontend],
+            "backends": view[frontend],
+        }
+        for extra in ("source_ranges", "drop"):
+            if extra in want:
+                entry[extra] = want[extra]
+        services.append(entry)
     agent = None
     if state:
         agent = {
@@ -83,11 +86,20 @@ def report(pin_dir: Path) -> dict:
             "watches": state.watches,
             "conflicts": state.conflicts,
             "failed": state.failed,
+            "node_port_addresses": state.node_port_addresses,
+        }
+    devices = {}
+    if state and state.devices:
+        on = tc.attached(list(state.devices), pin_dir)
+        devices = {
+            name: {"addresses": addresses, "attached": on[name]}
+            for name, addresses in state.devices.items()
         }
     return {
         "pin_dir": str(pin_dir),
         "agent": agent,
         "attached": loader.attached_hooks(Path(state.cgroup), pin_dir) if state else {},
+        "devices": devices,
         "services": services,
         "maps": {
             name: {"entries": used, "max_entries": size, "fill": round(used / size, 4)}
@@ -124,14 +136,24 @@ def render(status: dict) -> str:
         missing = [h for h, ok in attached.items() if not ok]
         if missing:
             lines.append(f"DETACHED:  {', '.join(missing)}")
+        for name, device in status["devices"].items():
+            # TC filters are per network namespace: `kpr status` must run in the agent's
+            on = "TC attached" if device["attached"] else "TC NOT ATTACHED (or another netns)"
+            lines.append(f"device:    {name} ({', '.join(device['addresses'])}): {on}")
+        if agent.get("node_port_addresses"):
+            lines.append(f"nodeports: on {', '.join(agent['node_port_addresses'])}")
     else:
         lines.append("agent:     no record (maps only)")
     lines.append(f"pins:      {status['pin_dir']}")
     lines.append("")
     lines.append(f"services ({len(status['services'])} frontends):")
     for svc in status["services"]:
-        backends = ", ".join(svc["backends"]) or "no endpoints: connections refused"
-        lines.append(f"  {svc['frontend']:<28} {svc['service']:<28} -> {backends}")
+        empty = "no local endpoint: dropped" if svc.get("drop") else "no endpoints: refused"
+        backends = ", ".join(svc["backends"]) or empty
+        kind = svc["kind"]
+        if svc.get("source_ranges"):
+            kind += f" from {','.join(svc['source_ranges'])}"
+        lines.append(f"  {svc['frontend']:<28} {kind:<13} {svc['service']:<24} -> {backends}")
     lines.append("")
     lines.append("maps:")
     for name, m in status["maps"].items():

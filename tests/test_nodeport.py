@@ -262,3 +262,26 @@ def test_a_flow_to_a_surviving_backend_continues_when_another_is_removed(cluster
     assert json.loads(out) == {"pods": [first], "errors": 0}
     # and new flows only reach the survivor
     assert {r.get("pod") for r in probe(cluster, "tcp", str(n1.ipv4), 30080, count=10)} == {first}
+
+
+def test_status_shows_the_devices_and_the_external_frontends(cluster, agents):
+    n1 = cluster.nodes[0]
+    base = ["nsenter", f"--net=/run/netns/{n1.netns}", *KPR, "status", "--bpffs"]
+    out = subprocess.run(
+        [*base, str(agents.pins["node-1"]), "--json"], capture_output=True, text=True
+    )
+    assert out.returncode == 0, out.stderr
+    status = json.loads(out.stdout)
+    assert status["devices"] == {
+        "eth0": {"addresses": [str(n1.ipv4), str(n1.ipv6)], "attached": True}
+    }
+    kinds = {s["frontend"]: s["kind"] for s in status["services"]}
+    assert kinds[f"{n1.ipv4}:30080/TCP (external)"] == "NodePort"
+    assert kinds[f"{n1.ipv4}:30080/TCP"] == "NodePort"  # node-local clients, at the socket
+    assert kinds[f"{LB_IP}:80/TCP (external)"] == "LoadBalancer"
+    assert kinds[f"{EXTERNAL_IP}:53/UDP (external)"] == "ExternalIP"
+    text = subprocess.run(
+        [*base, str(agents.pins["node-1"])], capture_output=True, text=True
+    ).stdout
+    assert "device:    eth0 (192.168.50.1, fd00:50::1): TC attached" in text
+    assert f"LoadBalancer from {CLIENT}/32" in text
