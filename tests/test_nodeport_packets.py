@@ -790,3 +790,24 @@ def test_write_devices_replaces_the_whole_map(lab):
     with lab.inside():
         addresses = tc.device_addresses(["ext0"])
     assert addresses == {lab.ifindex["ext0"]: (h.NODE4, h.NODE6)}
+
+
+def test_attach_without_pinned_programs_says_so(tmp_path):
+    with pytest.raises(host.SetupError, match="not pinned"):
+        tc.attach(tmp_path, ["lo"])
+
+
+@pytest.mark.parametrize(
+    "code,fix",
+    [
+        (errno.EPERM, "CAP_NET_ADMIN"),
+        (errno.EOPNOTSUPP, "CONFIG_NET_SCH_INGRESS"),
+        (errno.ENOENT, "CONFIG_NET_CLS_BPF"),
+        (errno.EBUSY, "tc qdisc show dev eth7"),
+    ],
+)
+def test_netlink_errors_become_setup_errors_naming_device_and_fix(code, fix):
+    from pyroute2.netlink.exceptions import NetlinkError
+
+    err = tc._setup_error("eth7", "add a clsact qdisc", NetlinkError(code))
+    assert "'eth7'" in str(err) and fix in str(err)

@@ -92,13 +92,14 @@ def _setup_error(device: str, what: str, err: Exception) -> host.SetupError:
     code = getattr(err, "code", None) or getattr(err, "errno", None)
     if code in (errno.EPERM, errno.EACCES):
         fix = "run kpr as root or with CAP_NET_ADMIN (the DaemonSet grants it)"
-    elif code in (errno.ENOENT, errno.EOPNOTSUPP, errno.EINVAL) and "qdisc" in what:
+    elif code in (errno.ENOENT, errno.EOPNOTSUPP):
         fix = (
             "this kernel lacks the clsact qdisc (CONFIG_NET_SCH_INGRESS) or BPF classifiers "
-            "(CONFIG_NET_CLS_BPF); NodePort, LoadBalancer and external IPs need them"
+            "(CONFIG_NET_CLS_BPF), which NodePort, LoadBalancer and external IPs need; use a "
+            "kernel with both, or run kpr with --devices none (ClusterIP only)"
         )
     else:
-        fix = "the error names the cause; `tc qdisc show dev DEVICE` and `tc filter show` help"
+        fix = f"`tc qdisc show dev {device}` and `tc filter show dev {device} ingress` may say why"
     return host.SetupError(f"Could not {what} on device {device!r}: {err}. Fix: {fix}.")
 
 
@@ -180,8 +181,16 @@ def _u32(raw: bytes) -> int:
 def attach(pin_dir: Path, devices: Iterable[str]) -> None:
     """Put the pinned programs on each device's clsact ingress and egress hooks,
     replacing kpr's earlier filters in place."""
-    fds = {d.name: bpfsys.obj_get(prog_pin(pin_dir, d)) for d in DIRECTIONS}
+    fds: dict[str, int] = {}
     try:
+        for direction in DIRECTIONS:
+            try:
+                fds[direction.name] = bpfsys.obj_get(prog_pin(pin_dir, direction))
+            except OSError as err:
+                raise host.SetupError(
+                    f"kpr's TC program is not pinned at {prog_pin(pin_dir, direction)} ({err}): "
+                    f"compile and pin it first (`kpr run` does), with the same --bpffs."
+                ) from err
         with _ipr() as ipr:
             for device in devices:
                 index = _index(ipr, device)
