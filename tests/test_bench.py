@@ -329,3 +329,34 @@ def test_small_bench_every_mode_carries_connections(tmp_path):
                 assert summary[key] > 0
         if entry["mode"] == "kpr":
             assert summary["agent_rss_mb"] > 0
+
+
+def test_node_port_rules_as_upstream_writes_them(throwaway_netns):
+    # Lines from upstream's TestOverallIPTablesRules (svc2 there has nodePort 3001).
+    port = dataclasses.replace(SERVICES[0], node_port=3001)
+    text = rules.iptables_restore([port], "10.0.0.0/8")
+    for line in [
+        "-A KUBE-NODEPORTS -m comment --comment ns1/svc1:p80 -m tcp -p tcp --dport 3001"
+        " -j KUBE-EXT-XPGD46QRK7WJZT7O",
+        '-A KUBE-EXT-XPGD46QRK7WJZT7O -m comment --comment "masquerade traffic for ns1/svc1:p80'
+        ' external destinations" -j KUBE-MARK-MASQ',
+        "-A KUBE-EXT-XPGD46QRK7WJZT7O -j KUBE-SVC-XPGD46QRK7WJZT7O",
+    ]:
+        assert line in text.splitlines()
+    loaded = subprocess.run(
+        ["ip", "netns", "exec", throwaway_netns, "iptables-restore", "--test", "--noflush"],
+        input=text, capture_output=True, text=True,
+    )  # fmt: skip
+    assert loaded.returncode == 0, loaded.stderr
+
+
+def test_node_port_bench_carries_connections_in_every_mode():
+    from tests.conftest import _skip_unless_kernel_ready
+
+    _skip_unless_kernel_ready()
+    from kpr.bench import nodeport
+
+    result = nodeport.run(rounds=1, connections=200)
+    assert result["failures"] == {"direct": 0, "iptables": 0, "kpr": 0}
+    assert all(rate > 0 for rate in result["rate_per_s"].values())
+    assert result["ratio_to_direct"]["direct"] == 1.0

@@ -41,6 +41,7 @@ class ServicePort:
     cluster_ip: str
     port: int
     endpoints: tuple[tuple[str, int], ...]
+    node_port: int | None = None
 
     @property
     def port_name_string(self) -> str:
@@ -123,6 +124,8 @@ class _IptablesWriter:
         )
         if not chains:
             return
+        if sp.node_port:
+            self.node_port(sp)
         # off-cluster sources reaching a ClusterIP are marked for masquerade (localDetector)
         self.rules.append(
             f'-A {svc} -m comment --comment "{sp.port_name_string} cluster IP"'
@@ -147,6 +150,20 @@ class _IptablesWriter:
                     + ["-j", "DNAT", "--to-destination", f"{ip}:{port}"]
                 )
             )
+
+    def node_port(self, sp: ServicePort) -> None:
+        """externalTrafficPolicy Cluster: KUBE-NODEPORTS -> KUBE-EXT- (mark for masquerade)
+        -> the service's SVC chain, as upstream's syncProxyRules writes them."""
+        ext = "KUBE-EXT-" + svc_chain(sp).removeprefix("KUBE-SVC-")
+        self.chains.append(_chain_line(ext))
+        self.rules += [
+            f"-A KUBE-NODEPORTS -m comment --comment {_comment(sp.port_name_string)}"
+            f" -m {sp.proto} -p {sp.proto} --dport {sp.node_port} -j {ext}",
+            f"-A {ext} -m comment --comment "
+            f'"masquerade traffic for {sp.port_name_string} external destinations"'
+            " -j KUBE-MARK-MASQ",
+            f"-A {ext} -j {svc_chain(sp)}",
+        ]
 
     def nodeports(self) -> None:
         # nodePortAddresses unset and localhostNodePorts true: every local address
