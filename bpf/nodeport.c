@@ -529,8 +529,19 @@ static __always_inline int follow(struct __sk_buff *skb, const struct flow *f, s
 	ct->last_seen_ns = now;
 	reply_key(&to, &rkey);
 	nat = kpr_nat.lookup(&rkey);
-	if (nat)
+	if (nat) {
 		nat->last_seen_ns = now;
+	} else {
+		/* the LRU evicted the reply entry of a live flow: write it again (unless
+		 * another flow took its NAT port meanwhile) */
+		struct kpr_nat value = { .flags = ct->flags & KPR_CT_F_SNAT, .last_seen_ns = now };
+
+		__builtin_memcpy(value.frontend_address, f->key.daddr, 16);
+		__builtin_memcpy(value.client_address, f->key.saddr, 16);
+		value.frontend_port = f->key.dport;
+		value.client_port = f->key.sport;
+		kpr_nat.insert(&rkey, &value);
+	}
 	if (rewrite(skb, f, &to) < 0)
 		return TC_ACT_SHOT;
 	return snat ? route_and_send(skb, f, &to) : KPR_PASS;

@@ -579,6 +579,23 @@ def test_a_new_connection_on_a_flow_whose_backend_is_gone_starts_over(lab):
     assert lab.get("kpr_nat", stale_reply, abi.Nat) is None
 
 
+@pytest.mark.parametrize("local", [True, False], ids=["local", "remote"])
+def test_a_reply_entry_evicted_from_the_lru_is_written_again(lab, local):
+    a = FAMILIES[4]
+    backend = a["local"] if local else a["remote"]
+    lab.add_service(Frontend(a["node"], 30080, TCP_P), [(backend, 8080)])
+    first = lab.ingress(frame(a["client"], a["node"], 40000, 30080, TCP_P))
+    sport = Ether(first.data)[TCP].sport
+    src = Ether(first.data)[IP].src
+    reply_key = flow_key(backend, src, 8080, sport, TCP_P)
+    table = lab.table("kpr_nat")
+    del table[table.Key.from_buffer_copy(bytes(reply_key))]
+    lab.ingress(frame(a["client"], a["node"], 40000, 30080, TCP_P, flags="A"))
+    restored = lab.get("kpr_nat", reply_key, abi.Nat)
+    assert restored is not None and restored.client_port == 40000
+    assert restored.flags == (0 if local else abi.CT_F_SNAT)
+
+
 def test_master_counting_a_missing_backend_drops(lab):
     fe = Frontend(h.NODE4, 30080, TCP_P)
     lab.add_service(fe, [(h.LOCAL_POD4, 8080)])
