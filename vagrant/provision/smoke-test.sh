@@ -2,7 +2,7 @@
 # Smoke test of kpr on the lab cluster, run on cp:
 #   vagrant provision cp --provision-with smoke-test
 # Checks a ClusterIP Service from a pod, DNS through the cluster DNS Service, and NodePort
-# from a node (expected to fail: kpr does not implement NodePort yet), then prints
+# from a node (served by kpr's TC program on the worker), then prints
 # `kpr status` from every kpr pod. Exits non-zero when a check that should pass fails.
 # KEEP=1 leaves the kpr-smoke namespace in place for a look around.
 set -eu
@@ -104,14 +104,14 @@ else
 	fail "DNS: http://$fqdn does not answer"
 fi
 
-# 3. NodePort from a node (this host, to a worker): not implemented in kpr yet, so this is
-#    expected to fail and does not count; it reports XPASS when it starts working.
+# 3. NodePort from a node (this host, to a worker): the packets arrive on the worker's
+#    device, where kpr's TC program serves the NodePort.
 worker_ip=$(kubectl get nodes -l '!node-role.kubernetes.io/control-plane' \
 	-o jsonpath='{.items[0].status.addresses[?(@.type=="InternalIP")].address}')
 if curl -sf -m 5 "http://$worker_ip:30080/hostname" >/dev/null; then
-	echo "XPASS: NodePort $worker_ip:30080 answered (NodePort support arrived: make it a check)"
+	pass "NodePort: http://$worker_ip:30080 answers"
 else
-	echo "XFAIL (skipped): NodePort $worker_ip:30080 from a node: kpr does not implement NodePort yet"
+	fail "NodePort: http://$worker_ip:30080 does not answer"
 fi
 
 # What kpr holds on every node
