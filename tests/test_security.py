@@ -1,0 +1,109 @@
+"""Security-relevant behaviour of `kpr run` as docs/security.md describes it, on the real
+kernel: externalIPs and LoadBalancer ingress IPs are honoured for the node's own clients
+as kube-proxy honours them (CVE-2020-8554: whoever may create Services can redirect
+connections to any address), and loadBalancerSourceRanges for those clients.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+
+import pytest
+
+from kpr.lab.netns import Lab
+from tests import kube
+from tests.apiserver import TestApiServer
+from tests.test_agent import KPR
+from tests.test_kubernetes import KubeAgent
+
+# documentation ranges (RFC 5737): never routed; only the connect hook makes them answer
+OUTSIDE_IP = "192.0.2.99"
+LB_IP = "192.0.2.10"
+
+
+@pytest.fixture(scope="module")
+def lab():
+    from tests.conftest import _skip_unless_kernel_ready
+
+    _skip_unless_kernel_ready()
+    with Lab(pods=3) as lab:
+        yield lab
+
+
+@pytest.fixture
+def api():
+    with TestApiServer(bookmark_interval=0.5) as server:
+        yield server
+
+
+@pytest.fixture
+def agent(lab, api, tmp_path, pin_dir):
+    process = KubeAgent(lab, api, pin_dir, tmp_path / "agent.log", sync_period=2)
+    yield process
+    process.kill()
+    subprocess.run([*KPR, "cleanup", "--bpffs", str(pin_dir)], capture_output=True)
+
+
+def connect(lab: Lab, address: str, count: int = 5) -> list[dict]:
+    argv = [sys.executable, "-m", "kpr.lab.probe", "tcp", address, "80", "--count", str(count)]
+    return json.loads(lab.run_client(argv).stdout)["results"]
+
+
+def served(results: list[dict]) -> bool:
+    return all("pod" in r for r in results)
+
+
+def eventually(probe, done, timeout: float = 10.0):
+    deadline = time.monotonic() + timeout
+    while not done(value := probe()) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return value
+
+
+def serve(api: TestApiServer, lab: Lab, service: dict) -> None:
+    api.apply(service)
+    name = service["metadata"]["name"]
+    addresses = [str(p.ipv4) for p in lab.pods]
+    api.apply(kube.endpoint_slice(name, addresses, [("http", 8080, "TCP")], name=f"{name}-a"))
+
+
+def test_an_external_ip_set_on_a_service_captures_connects_to_that_address(lab, api, agent):
+    """CVE-2020-8554, as kube-proxy has it: a Service naming any address in externalIPs
+    takes the connections that the node's processes and pods make to that address."""
+    agent.start()
+    before = connect(lab, OUTSIDE_IP, 1)
+    assert "error" in before[0]  # nothing answers there: the address is not routed
+    serve(
+        api,
+        lab,
+        kube.service("grab", ["10.96.0.30"], [("http", 80, "TCP")], externalIPs=[OUTSIDE_IP]),
+    )
+    results = eventually(lambda: connect(lab, OUTSIDE_IP), served)
+    assert all("pod" in r for r in results), results
+    assert {r["peer"] for r in results} == {f"{OUTSIDE_IP}:80"}  # the client cannot tell
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="loadBalancerSourceRanges are applied only by the TC program (traffic arriving "
+    "on --devices); at the socket, the node's processes and pods reach the LoadBalancer IP "
+    "from any source, where kube-proxy drops them (KUBE-PROXY-FIREWALL / firewall-check)",
+)
+def test_load_balancer_source_ranges_also_hold_for_clients_on_the_node(lab, api, agent):
+    agent.start()
+    service = kube.service(
+        "guarded",
+        ["10.96.0.31"],
+        [("http", 80, "TCP")],
+        type="LoadBalancer",
+        loadBalancerSourceRanges=["203.0.113.0/24"],  # not the lab node's 10.244.1.1
+    )
+    service["spec"]["ports"][0]["nodePort"] = 30080
+    service["status"] = {"loadBalancer": {"ingress": [{"ip": LB_IP}]}}
+    serve(api, lab, service)
+    eventually(lambda: connect(lab, "10.96.0.31"), served)  # the Service is programmed
+    results = connect(lab, LB_IP)
+    assert all("error" in r for r in results), f"served from outside the ranges: {results}"
