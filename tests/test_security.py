@@ -6,12 +6,17 @@ connections to any address), and loadBalancerSourceRanges for those clients.
 
 from __future__ import annotations
 
+import copy
 import json
+import re
+import stat
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
+import yaml
 
 from kpr.lab.netns import Lab
 from tests import kube
@@ -107,3 +112,40 @@ def test_load_balancer_source_ranges_also_hold_for_clients_on_the_node(lab, api,
     eventually(lambda: connect(lab, "10.96.0.31"), served)  # the Service is programmed
     results = connect(lab, LB_IP)
     assert all("error" in r for r in results), f"served from outside the ranges: {results}"
+
+
+def test_the_pins_are_root_only(lab, api, agent):
+    agent.start()
+    agent.wait_synced()
+    assert stat.S_IMODE(agent.pin_dir.stat().st_mode) == 0o700
+    modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in agent.pin_dir.iterdir()}
+    assert modes and set(modes.values()) == {0o600}, modes
+    assert {p.stat().st_uid for p in agent.pin_dir.iterdir()} == {0}
+
+
+# --- docs/security.md -------------------------------------------------------------------
+
+
+def yaml_blocks(path: Path) -> list[str]:
+    return re.findall(r"```yaml\n(.*?)```", path.read_text(), flags=re.S)
+
+
+def test_the_admission_policies_in_docs_security_validate():
+    kv = pytest.importorskip("kubernetes_validate", reason="pip install -e '.[test]'")
+    from tests.test_deploy import K8S_VERSION
+
+    full, variant = yaml_blocks(Path(__file__).parents[1] / "docs" / "security.md")
+    policy, binding = yaml.safe_load_all(full)
+    fragment = yaml.safe_load(variant)
+    with_ranges = copy.deepcopy(policy)
+    with_ranges["spec"]["variables"] += fragment["variables"]
+    with_ranges["spec"]["validations"] = fragment["validations"]
+    assert binding["spec"]["policyName"] == policy["metadata"]["name"]
+    for doc in (policy, binding, with_ranges):
+        kv.validate(doc, K8S_VERSION, strict=True)
+    for doc in (policy, with_ranges):
+        declared = {v["name"] for v in doc["spec"]["variables"]}
+        expressions = [v["expression"] for v in doc["spec"]["variables"]]
+        expressions += [v["expression"] for v in doc["spec"]["validations"]]
+        used = set(re.findall(r"variables\.(\w+)", " ".join(expressions)))
+        assert used <= declared, used - declared
