@@ -88,7 +88,8 @@ def test_tcp_reaches_each_pod_directly(lab: Lab, family: str) -> None:
         results = _probe(lab, "tcp", address, str(lab.port), "--count", "3")["results"]
 
         peer = f"[{address}]:{lab.port}" if family == "ipv6" else f"{address}:{lab.port}"
-        assert results == [{"pod": pod.name, "peer": peer}] * 3
+        node = str(lab.node_ipv6 if family == "ipv6" else lab.node_ipv4)  # the client, as seen
+        assert results == [{"pod": pod.name, "peer": peer, "seen": node}] * 3
 
 
 @pytest.mark.parametrize("family", FAMILIES)
