@@ -116,6 +116,35 @@ static __always_inline void remember_peer(struct bpf_sock_addr *ctx, const __u32
 	peer->backend_port = backend_port;
 }
 
+/* Unconnected UDP: the socket's first (service, backend) pair is kept on the
+ * socket too, so a resolver's short-lived sockets never fill a shared map: the
+ * entry goes when the socket closes. Only a socket that talks to a second pair
+ * needs the LRU map (false: use it). */
+static __always_inline bool remember_on_socket(struct bpf_sock_addr *ctx, const __u32 *service,
+					       __u16 service_port, const __u32 *backend,
+					       __u16 backend_port, int words)
+{
+	struct bpf_sock *sk = ctx->sk;
+	struct kpr_sock_peer *peer;
+
+	if (!sk)
+		return false;
+	peer = kpr_sock_peer.sk_storage_get(sk, 0, 0);
+	if (!peer) {
+		remember_peer(ctx, service, service_port, backend, backend_port, words);
+		return true;
+	}
+	if (peer->service_port != service_port || peer->backend_port != backend_port)
+		return false;
+	__u32 *kept_service = (__u32 *)peer->service_address;
+	__u32 *kept_backend = (__u32 *)peer->backend_address;
+#pragma unroll
+	for (int i = 0; i < 4; i++)
+		if (i < words && (kept_service[i] != service[i] || kept_backend[i] != backend[i]))
+			return false;
+	return true;
+}
+
 /* If this socket was given `address`:`port` as a backend, put its service there. */
 static __always_inline bool recall_peer(struct bpf_sock_addr *ctx, __u32 *address, __u32 *port,
 					int words)
@@ -189,7 +218,8 @@ static __always_inline int pick_backend4(struct bpf_sock_addr *ctx, __be32 *addr
 	if (!by_cookie) {
 		remember_peer(ctx, (__u32 *)key.address, key.port, (__u32 *)backend->address,
 			      backend->port, 1);
-	} else {
+	} else if (!remember_on_socket(ctx, (__u32 *)key.address, key.port,
+				       (__u32 *)backend->address, backend->port, 1)) {
 		/* unconnected UDP may send to several services: one entry per backend */
 		struct kpr_sock_revnat4_key rkey = { .cookie = cookie, .port = backend->port };
 		struct kpr_revnat4 rval = { .port = key.port };
@@ -268,7 +298,8 @@ static __always_inline int pick_backend6(struct bpf_sock_addr *ctx, __u32 addres
 	if (!by_cookie) {
 		remember_peer(ctx, (__u32 *)key.address, key.port, (__u32 *)backend->address,
 			      backend->port, 4);
-	} else {
+	} else if (!remember_on_socket(ctx, (__u32 *)key.address, key.port,
+				       (__u32 *)backend->address, backend->port, 4)) {
 		struct kpr_sock_revnat6_key rkey = { .cookie = cookie, .port = backend->port };
 		struct kpr_revnat6 rval = { .port = key.port };
 		__builtin_memcpy(rkey.address, backend->address, 16);

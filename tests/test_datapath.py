@@ -235,3 +235,40 @@ def test_connected_udp_clients_of_remaining_backends_are_left_alone(cluster):
     summary = json.loads(client.communicate(timeout=30)[0])
     first = summary["pods"][0]
     assert summary["pods"] == [first] and summary["errors"] == [], summary
+
+
+TWO_SERVICES = """
+import json, socket, sys
+sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+sock.settimeout(2)
+sources = []
+for _ in range(3):
+    for vip in sys.argv[1:]:
+        sock.sendto(b"q", (vip, 53))
+        sources.append("%s:%d" % sock.recvfrom(256)[1])
+print(json.dumps(sources))
+"""
+
+
+def _sock_revnat_entries(cluster) -> int:
+    pinned = cluster.agent.maps.maps["kpr_sock_revnat4"]
+    return sum(count for _, _, count in pinned.dump())
+
+
+def test_unconnected_udp_keeps_reverse_entries_on_the_socket_and_the_map_does_not_grow(cluster):
+    cluster.echo()
+    other = "10.96.0.11"
+    cluster.apply(
+        "other.yaml",
+        kube.service("other", [other], PORTS),
+        kube.endpoint_slice("other", [str(cluster.lab.pods[0].ipv4)], POD_PORTS),
+    )
+    before = _sock_revnat_entries(cluster)
+    # a resolver's way: many sockets, each to one service: nothing in the shared map
+    cluster.probe("udp-unconnected", VIP4, 53, "--count", 2, "--sockets", 50)
+    assert _sock_revnat_entries(cluster) == before
+    # a socket talking to two services: the second pair needs the map; replies show both
+    out = cluster.lab.run_client([sys.executable, "-c", TWO_SERVICES, VIP4, other])
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout) == [f"{VIP4}:53", f"{other}:53"] * 3
+    assert _sock_revnat_entries(cluster) == before + 1
