@@ -7,7 +7,8 @@ created, rescaled, re-ported and deleted at random. Each round ends by putting t
 back to the same baseline, so the agent's memory after the first (warm-up) round and
 after the last one are taken in the same state, as are the map entry counts.
 
-Figures are printed (run with -s to see them).
+Figures are printed (run with -s to see them). KPR_SOAK_ROUNDS=N runs longer;
+KPR_SOAK_SEED=S repeats a run.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ from tests.reliability import (
 from tests.test_agent import KPR, status_json
 from tests.test_kubernetes import KubeAgent
 
-ROUNDS = 5  # the first is the warm-up
+ROUNDS = int(os.environ.get("KPR_SOAK_ROUNDS", 5))  # the first is the warm-up
 CHANGES_PER_ROUND = 600  # API writes of random churn, before the round's reset
 WRITES_PER_SECOND = 80
 POOL = 150  # churned Services
