@@ -130,21 +130,24 @@ class Agent:
         self._saved_at = 0.0
         self._saver: threading.Thread | None = None
         self._state_lock = threading.Lock()
+        self._attached = False
+        self._previous: runstate.RunState | None = None
 
     def start(self) -> None:
-        """Load and attach the programs, open the pinned maps, adopt their content."""
+        """Compile and pin the programs, open the pinned maps, adopt their content. The
+        programs are attached after the first sync (`_attach`)."""
         host.require_root()
         _limit_malloc_arenas()
         cfg = self.config
         cgroup = host.require_cgroup2_dir(cfg.cgroup or host.cgroup2_root())
         self.cgroup = cgroup
         host.ensure_bpffs(cfg.pin_dir)
-        previous = runstate.load(cfg.pin_dir)
-        loader.load(cfg.pin_dir, cgroup, cfg.sizes)
-        self._load_tc(previous)
-        if previous and Path(previous.cgroup) != cgroup:
-            moved = loader.detach(Path(previous.cgroup))
-            log.info("detached %d programs from the previous cgroup %s", moved, previous.cgroup)
+        self._previous = runstate.load(cfg.pin_dir)
+        loader.load(cfg.pin_dir, cgroup, cfg.sizes, attach=False)
+        if cfg.devices:
+            tc.load(cfg.pin_dir, cfg.sizes, [])  # compiled and pinned; attached with the rest
+        # the address a remote backend sees for masqueraded flows, before any TC program runs
+        tc.write_devices(cfg.pin_dir, {d.index: (d.first(4), d.first(6)) for d in cfg.devices})
         self.maps = BpfMaps(cfg.pin_dir)
         self.programmed = self.maps.read()
         self.state = runstate.RunState(str(cfg.pin_dir), str(cgroup), self.source.description)
@@ -155,31 +158,41 @@ class Agent:
             log.warning("conflict: %s", conflict)
         self.state.save()
         log.info(
-            "attached to cgroup %s; pinned maps in %s hold %d frontends, %d backends",
-            cgroup,
+            "programs pinned in %s, to be attached to cgroup %s after the first sync; the "
+            "maps hold %d frontends, %d backends",
             cfg.pin_dir,
+            cgroup,
             len(self.programmed.services),
             len(self.programmed.backends),
         )
 
-    def _load_tc(self, previous: runstate.RunState | None) -> None:
-        """The TC program on the configured devices (and off those a previous run used
-        and this one does not), with each device's address for masquerading."""
+    def _attach(self) -> None:
+        """Attach the new programs once the maps hold the first sync. Until then the
+        previous run's programs keep serving — also when they use maps of an older
+        layout, whose pins go only now: an upgrade has no moment without service."""
         cfg = self.config
+        assert self.cgroup is not None
+        loader.attach_pinned(cfg.pin_dir, self.cgroup)
+        previous = self._previous
+        if previous and Path(previous.cgroup) != self.cgroup:
+            moved = loader.detach(Path(previous.cgroup))
+            log.info("detached %d programs from the previous cgroup %s", moved, previous.cgroup)
         names = [d.name for d in cfg.devices]
         if names:
-            tc.load(cfg.pin_dir, cfg.sizes, names)
-        dropped = [name for name in (previous.devices if previous else {}) if name not in names]
-        if dropped:
-            log.info("TC programs taken off %d devices no longer configured", tc.detach(dropped))
-        if names or dropped:
-            tc.write_devices(cfg.pin_dir, {d.index: (d.first(4), d.first(6)) for d in cfg.devices})
-        if names:
+            tc.attach(cfg.pin_dir, names)
             log.info(
                 "TC programs on %s; NodePorts answer on %s",
                 ", ".join(names),
                 ", ".join(str(a) for a in cfg.node.node_port_addresses) or "no address",
             )
+        dropped = [n for n in (previous.devices if previous else {}) if n not in names]
+        if dropped:
+            log.info("TC programs taken off %d devices no longer configured", tc.detach(dropped))
+        removed = loader.remove_other_versions(cfg.pin_dir)
+        if removed:
+            log.info("unpinned %d maps and programs of another kpr version", len(removed))
+        self._attached = True
+        log.info("attached to cgroup %s", self.cgroup)
 
     # --- translation ------------------------------------------------------------
 
@@ -265,6 +278,8 @@ class Agent:
             self.programmed = self.maps.read()
         else:
             apply_plan(self.programmed, steps)
+        if not self._attached:
+            self._attach()
         self._terminate_stale_udp(udp_before, touched)
         # NodePorts: the external scope, and 127.0.0.1 at the socket (localhostNodePorts)
         if touched is None or any(f.scope == EXTERNAL or f.address.is_loopback for f in touched):
@@ -339,7 +354,7 @@ class Agent:
     def _repair_attachments(self) -> None:
         """A hook detached behind kpr's back (bpftool cgroup detach, a cleanup script)
         is attached again; the pinned programs are reused, nothing is compiled."""
-        if self.cgroup is None:
+        if self.cgroup is None or not self._attached:
             return
         missing = [
             h for h, ok in loader.attached_hooks(self.cgroup, self.config.pin_dir).items() if not ok

@@ -115,27 +115,57 @@ def _kpr_programs(cgroup_fd: int, hook: Hook) -> list[tuple[int, int]]:
     return out
 
 
-def attach(bpf, pin_dir: Path, cgroup: Path) -> None:
-    """Attach every hook to `cgroup`, replacing kpr programs already there, and pin
-    the programs so `kpr cleanup` can detach them later."""
+def pin_programs(bpf, pin_dir: Path) -> None:
+    """Load every hook's program and pin it (replacing the pin of an earlier build);
+    nothing is attached yet."""
+    for hook in HOOKS:
+        fn = bpf.load_func(
+            hook.function.encode(), BPF_PROG_TYPE_CGROUP_SOCK_ADDR, attach_type=hook.attach_type
+        )
+        pin = prog_pin(pin_dir, hook)
+        pin.unlink(missing_ok=True)
+        bpfsys.obj_pin(fn.fd, pin)
+
+
+def attach_pinned(pin_dir: Path, cgroup: Path) -> None:
+    """Attach the pinned programs to `cgroup`, then detach the kpr programs they replace
+    (an earlier build's, maybe using maps of an older layout): no moment without one."""
     cgroup_fd = os.open(cgroup, os.O_RDONLY | os.O_DIRECTORY)
     try:
         for hook in HOOKS:
-            fn = bpf.load_func(
-                hook.function.encode(), BPF_PROG_TYPE_CGROUP_SOCK_ADDR, attach_type=hook.attach_type
-            )
-            new_id = bpfsys.prog_info(fn.fd).id
-            old = _kpr_programs(cgroup_fd, hook)
-            bpfsys.prog_attach(fn.fd, cgroup_fd, hook.attach_type)
-            for prog_id, fd in old:
-                if prog_id != new_id:
-                    bpfsys.prog_detach(fd, cgroup_fd, hook.attach_type)
+            fd = bpfsys.obj_get(prog_pin(pin_dir, hook))
+            try:
+                new_id = bpfsys.prog_info(fd).id
+                old = _kpr_programs(cgroup_fd, hook)
+                if new_id not in (prog_id for prog_id, _ in old):
+                    bpfsys.prog_attach(fd, cgroup_fd, hook.attach_type)
+                for prog_id, old_fd in old:
+                    if prog_id != new_id:
+                        bpfsys.prog_detach(old_fd, cgroup_fd, hook.attach_type)
+                    os.close(old_fd)
+            finally:
                 os.close(fd)
-            pin = prog_pin(pin_dir, hook)
-            pin.unlink(missing_ok=True)
-            bpfsys.obj_pin(fn.fd, pin)
     finally:
         os.close(cgroup_fd)
+
+
+def attach(bpf, pin_dir: Path, cgroup: Path) -> None:
+    """Pin every hook's program and attach it to `cgroup`, replacing kpr programs there."""
+    pin_programs(bpf, pin_dir)
+    attach_pinned(pin_dir, cgroup)
+
+
+def remove_other_versions(pin_dir: Path) -> list[str]:
+    """Unpin the maps and programs of other ABI versions (an upgrade's predecessor), once
+    nothing of this version needs them; the kernel frees them with their last user."""
+    removed = []
+    for path in sorted(pin_dir.iterdir()):
+        version, _, rest = path.name.partition("_")
+        ours = rest and version[:1] == "v" and version[1:].isdigit()
+        if ours and int(version[1:]) != abi.ABI_VERSION:
+            path.unlink()
+            removed.append(path.name)
+    return removed
 
 
 def detach(cgroup: Path) -> int:
@@ -208,11 +238,11 @@ def unpin_all(pin_dir: Path) -> None:
     pin_dir.rmdir()
 
 
-def load(pin_dir: Path, cgroup: Path, sizes: abi.MapSizes) -> None:
-    """Compile, pin and attach in a child process: BCC and its LLVM are large, and
-    the agent never needs them again once the programs are loaded."""
+def load(pin_dir: Path, cgroup: Path, sizes: abi.MapSizes, attach: bool = True) -> None:
+    """Compile, pin and (with `attach`) attach in a child process: BCC and its LLVM are
+    large, and the agent never needs them again once the programs are loaded."""
     argv = [sys.executable, "-m", "kpr.datapath.loader", str(pin_dir), str(cgroup)]
-    argv.append(json.dumps(dataclasses.asdict(sizes)))
+    argv += [json.dumps(dataclasses.asdict(sizes)), "attach" if attach else "pin"]
     result = subprocess.run(argv, capture_output=True, text=True)
     if result.returncode == 0:
         if result.stderr.strip():
@@ -231,7 +261,11 @@ _SETUP_MARK = "kpr-loader-error:"
 def _main(argv: list[str]) -> int:
     pin_dir, cgroup, sizes = Path(argv[0]), Path(argv[1]), abi.MapSizes(**json.loads(argv[2]))
     try:
-        attach(compile_and_pin(pin_dir, sizes), pin_dir, cgroup)
+        bpf = compile_and_pin(pin_dir, sizes)
+        if argv[3] == "attach":
+            attach(bpf, pin_dir, cgroup)
+        else:
+            pin_programs(bpf, pin_dir)
     except host.SetupError as err:
         print(f"{_SETUP_MARK} {err}", file=sys.stderr)
         return _SETUP_ERROR

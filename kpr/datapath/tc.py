@@ -333,8 +333,8 @@ def device_addresses(devices: Iterable[str]) -> dict[int, tuple[str | None, str 
 
 
 def load(pin_dir: Path, sizes: abi.MapSizes, devices: list[str]) -> None:
-    """Compile, pin and attach in a child process (BCC and LLVM are large; the agent
-    does not need them once the programs are loaded)."""
+    """Compile, pin and attach to `devices` (none: pin only) in a child process (BCC and
+    LLVM are large; the agent does not need them once the programs are loaded)."""
     argv = [sys.executable, "-m", "kpr.datapath.tc", str(pin_dir)]
     argv += [json.dumps(dataclasses.asdict(sizes)), json.dumps(devices)]
     result = subprocess.run(argv, capture_output=True, text=True)
@@ -355,7 +355,8 @@ def _main(argv: list[str]) -> int:
     devices = json.loads(argv[2])
     try:
         compile_and_pin(pin_dir, sizes)
-        attach(pin_dir, devices)
+        if devices:
+            attach(pin_dir, devices)
     except host.SetupError as err:
         print(f"{_SETUP_MARK} {err}", file=sys.stderr)
         return _SETUP_ERROR
