@@ -147,7 +147,7 @@ def test_services_keep_working_while_the_agent_is_killed_and_restart_adopts_with
     assert summary["errors"] == []
     assert len(summary["counts"]) == 3
     assert snapshot_maps(agent.pin_dir) == before  # same ids: adopted, not rewritten
-    assert "map operations" not in agent.log.read_text().split("attached to cgroup")[-1]
+    assert "map operations" not in agent.log.read_text().split("programs pinned in")[-1]
 
 
 def test_restart_applies_changes_made_while_the_agent_was_down(lab, agent):
@@ -378,3 +378,29 @@ def test_node_ports_answer_on_localhost_and_local_binds_cannot_shadow_them(lab, 
     (source / "np.yaml").unlink()
     agent.wait_synced(after=time.time())
     assert lab.run_client([sys.executable, "-c", bind, "30080"]).returncode == 0
+
+
+def test_upgrade_to_a_new_map_layout_has_no_moment_without_service(lab, agent):
+    """A new kpr version with another ABI version (`v<N>_` pins) starts next to the old
+    version's attached programs and maps: it fills its own maps, then swaps the programs,
+    then unpins the old ones. Simulated by renaming the pins of this version to v0_: the
+    attached programs use their maps by reference, as an older build's would."""
+    echo(lab, agent.log.parent / "manifests")
+    agent.start()
+    agent.wait_synced()
+    agent.kill(signal.SIGKILL)
+    for pin in agent.pin_dir.glob("v1_*"):
+        pin.rename(pin.with_name("v0_" + pin.name.removeprefix("v1_")))
+    client = loop_client(lab, 10)  # outlasts the start: compile, first sync, attach
+    time.sleep(0.5)
+    agent.start()  # fresh, empty v1 maps: attaching them at once would refuse every connect
+    agent.wait_synced()
+    summary = json.loads(client.communicate(timeout=30)[0])
+    assert summary["errors"] == [] and len(summary["counts"]) == 3, summary
+    assert not list(agent.pin_dir.glob("v0_*"))  # the old version's pins are gone
+    assert "unpinned" in agent.log.read_text() and "of another kpr version" in agent.log.read_text()
+    assert {r["pod"] for r in tcp_results(lab, 30)} == {p.name for p in lab.pods}
+    cgroup_programs = subprocess.run(
+        ["bpftool", "cgroup", "show", str(lab.cgroup)], capture_output=True, text=True
+    ).stdout
+    assert cgroup_programs.count("kpr_connect4") == 1  # the old program was replaced
