@@ -143,6 +143,10 @@ class Agent:
         self.cgroup = cgroup
         host.ensure_bpffs(cfg.pin_dir)
         self._previous = runstate.load(cfg.pin_dir)
+        for change in loader.retire_mismatched_maps(cfg.pin_dir, cfg.sizes):
+            # (type, key, value, max entries) changed by --map-sizes or a new build: a new
+            # map is made and filled; the old one serves until the programs are swapped
+            log.warning("pinned map replaced: %s", change)
         loader.load(cfg.pin_dir, cgroup, cfg.sizes, attach=False)
         if cfg.devices:
             tc.load(cfg.pin_dir, cfg.sizes, [])  # compiled and pinned; attached with the rest

@@ -404,3 +404,25 @@ def test_upgrade_to_a_new_map_layout_has_no_moment_without_service(lab, agent):
         ["bpftool", "cgroup", "show", str(lab.cgroup)], capture_output=True, text=True
     ).stdout
     assert cgroup_programs.count("kpr_connect4") == 1  # the old program was replaced
+
+
+def test_changing_map_sizes_swaps_in_new_maps_without_a_moment_without_service(lab, agent):
+    echo(lab, agent.log.parent / "manifests")
+    agent.start()
+    agent.wait_synced()
+    agent.kill(signal.SIGKILL)
+    agent.args += ["--map-sizes", "services=8192,backends=4096"]
+    client = loop_client(lab, 10)  # outlasts the start: compile, first sync, swap
+    time.sleep(0.5)
+    agent.start()
+    agent.wait_synced()
+    summary = json.loads(client.communicate(timeout=30)[0])
+    assert summary["errors"] == [] and len(summary["counts"]) == 3, summary
+    maps = status_json(agent.pin_dir)["maps"]
+    assert (maps["v1_services4"]["max_entries"], maps["v1_backends4"]["max_entries"]) == (
+        8192,
+        4096,
+    )
+    assert maps["v1_services4"]["entries"] == 2 * (1 + 3)  # refilled: 2 ports x (master + 3)
+    assert not list(agent.pin_dir.glob("retired_*"))
+    assert "pinned map replaced: v1_services4" in agent.log.read_text()

@@ -54,9 +54,13 @@ def prog_pin(pin_dir: Path, hook: Hook) -> Path:
     return pin_dir / f"v{abi.ABI_VERSION}_prog_{hook.pin}"
 
 
-def check_pinned_maps(pin_dir: Path, sizes: abi.MapSizes) -> None:
-    """BCC reuses a pinned map without looking at it: refuse one whose layout or
-    size differs from what this build expects, rather than corrupt it."""
+RETIRED = "retired_"  # pins of maps set aside for new ones, removed after the swap
+
+
+def mismatched_maps(pin_dir: Path, sizes: abi.MapSizes) -> list[tuple[Path, tuple, tuple]]:
+    """Pinned maps whose (type, key size, value size, max entries) differ from what this
+    build expects: (pin, have, want)."""
+    out = []
     for spec in abi.MAPS.values():
         path = pin_dir / spec.pin
         if not path.exists():
@@ -71,12 +75,30 @@ def check_pinned_maps(pin_dir: Path, sizes: abi.MapSizes) -> None:
         if spec.map_type == abi.BPF_MAP_TYPE_PERCPU_ARRAY:
             want, have = want[:3], have[:3]
         if want != have:
-            raise host.SetupError(
-                f"The pinned map {path} has (type, key size, value size, max entries) {have}, "
-                f"this kpr expects {want}. It was made by another kpr version or with other map "
-                f"sizes. Start kpr with the sizes it was made with, or run `kpr cleanup` "
-                f"(services stop being load-balanced until kpr runs again)."
-            )
+            out.append((path, have, want))
+    return out
+
+
+def retire_mismatched_maps(pin_dir: Path, sizes: abi.MapSizes) -> list[str]:
+    """Set aside (rename) the pins of maps of another size or layout, so BCC makes new
+    ones; the attached programs keep using the old maps until the new programs replace
+    them, and `remove_other_versions` unpins them then."""
+    retired = []
+    for path, have, want in mismatched_maps(pin_dir, sizes):
+        path.rename(path.with_name(RETIRED + path.name))
+        retired.append(f"{path.name} {have} -> {want}")
+    return retired
+
+
+def check_pinned_maps(pin_dir: Path, sizes: abi.MapSizes) -> None:
+    """BCC reuses a pinned map without looking at it: refuse one whose layout or
+    size differs from what this build expects, rather than corrupt it."""
+    for path, have, want in mismatched_maps(pin_dir, sizes):
+        raise host.SetupError(
+            f"The pinned map {path} has (type, key size, value size, max entries) {have}, "
+            f"this kpr expects {want}. `kpr run` sets such a map aside and makes a new one; "
+            f"this compile was not started by it. Run `kpr run`, or `kpr cleanup` first."
+        )
 
 
 def compile_and_pin(pin_dir: Path, sizes: abi.MapSizes, source: str = "sock_lb.c"):
@@ -156,13 +178,14 @@ def attach(bpf, pin_dir: Path, cgroup: Path) -> None:
 
 
 def remove_other_versions(pin_dir: Path) -> list[str]:
-    """Unpin the maps and programs of other ABI versions (an upgrade's predecessor), once
-    nothing of this version needs them; the kernel frees them with their last user."""
+    """Unpin the maps and programs of other ABI versions (an upgrade's predecessor) and
+    retired maps, once nothing of this version needs them; the kernel frees them with
+    their last user."""
     removed = []
     for path in sorted(pin_dir.iterdir()):
         version, _, rest = path.name.partition("_")
         ours = rest and version[:1] == "v" and version[1:].isdigit()
-        if ours and int(version[1:]) != abi.ABI_VERSION:
+        if (ours and int(version[1:]) != abi.ABI_VERSION) or path.name.startswith(RETIRED):
             path.unlink()
             removed.append(path.name)
     return removed
