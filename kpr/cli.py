@@ -91,6 +91,13 @@ def run(
             "socket load balancing only. NodePorts answer on these devices' addresses."
         ),
     ] = "auto",
+    external_ip_cidrs: Annotated[
+        str | None,
+        typer.Option(
+            help="Serve only the externalIPs inside these CIDRs (comma-separated): any user "
+            "who may create Services can otherwise claim any address (CVE-2020-8554)."
+        ),
+    ] = None,
     log_level: Annotated[str, typer.Option(help="debug, info, warning or error.")] = "info",
 ) -> None:
     """Run the agent: keep the BPF maps equal to the Services of the API server (or --source)."""
@@ -154,6 +161,7 @@ def run(
                 proxy_name=proxy_name,
                 node_port_addresses=node_port_addresses(chosen, proxy.node_port_addresses),
                 localhost_node_ports=proxy.localhost_node_ports,
+                external_ip_cidrs=_cidrs("--external-ip-cidrs", external_ip_cidrs),
             ),
             devices=tuple(chosen),
             min_sync_period=proxy.min_sync_period,
@@ -187,6 +195,17 @@ def run(
             server.stop()
         if agent.health_checks is not None:
             agent.health_checks.close()
+
+
+def _cidrs(flag: str, text: str | None) -> tuple | None:
+    from ipaddress import ip_network
+
+    if text is None:
+        return None
+    try:
+        return tuple(ip_network(part.strip(), strict=False) for part in text.split(",") if part)
+    except ValueError as err:
+        raise ValueError(f"{flag}: {err}") from None
 
 
 @app.command()

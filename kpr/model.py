@@ -112,6 +112,8 @@ class NodeContext:
     # where NodePorts are served: the node's addresses narrowed by nodePortAddresses
     node_port_addresses: tuple[IPAddress, ...] = ()
     localhost_node_ports: bool = True  # also 127.0.0.1, for processes on the node
+    # --external-ip-cidrs: externalIPs outside these are not served (CVE-2020-8554); None: all
+    external_ip_cidrs: tuple[IPNetwork, ...] | None = None
 
 
 # --- Desired datapath state ----------------------------------------------------------

@@ -21,6 +21,7 @@ from kpr.model import (
     EndpointSlice,
     Frontend,
     FrontendState,
+    IPAddress,
     NodeContext,
     ObjectRef,
     Problem,
@@ -84,6 +85,16 @@ def _translate_service(
             )
             continue
         for frontend, kind, policy in frontends_of(service, port, node):
+            if kind == "ExternalIP" and not external_ip_allowed(frontend.address, node):
+                if frontend.scope == SOCKET:  # one problem per address, not per scope
+                    translation.problems.append(
+                        Problem(
+                            f"{frontend.address} is outside --external-ip-cidrs: not served",
+                            service.ref,
+                            f"spec.externalIPs[{service.external_ips.index(frontend.address)}]",
+                        )
+                    )
+                continue
             owner = owners.setdefault(frontend, service.ref)
             if owner != service.ref:
                 translation.problems.append(
@@ -160,6 +171,13 @@ def frontends_of(
     localhost = node.localhost_node_ports and 4 in families
     if node_port and localhost and LOCALHOST not in node.node_port_addresses:
         yield Frontend(LOCALHOST, node_port, protocol, SOCKET), "NodePort", "Cluster"
+
+
+def external_ip_allowed(address: IPAddress, node: NodeContext) -> bool:
+    """Any user who may create Services can claim any externalIP and take its traffic
+    (CVE-2020-8554); --external-ip-cidrs limits which ones kpr serves."""
+    cidrs = node.external_ip_cidrs
+    return cidrs is None or any(address in network for network in cidrs)
 
 
 def has_ready_endpoints(port: ServicePort, slices: list[EndpointSlice]) -> bool:

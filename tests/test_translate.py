@@ -708,3 +708,16 @@ def test_local_policy_without_a_local_endpoint_drops_where_no_endpoint_at_all_re
     assert (state.backends, state.drop) == ((), True)
     state = translate([svc], [], EXTERNAL_NODE).frontends[external]
     assert (state.backends, state.drop) == ((), False)
+
+
+def test_external_ips_outside_the_allowed_cidrs_are_not_served_and_named():
+    svc = service(external_ips=(ip_address("192.0.2.9"), ip_address("198.51.100.4")))
+    node = NodeContext(external_ip_cidrs=(ip_network("198.51.100.0/24"),))
+    translation = translate([svc], [endpoint_slice(endpoint("10.244.1.11"))], node)
+    addresses = {f.address for f in translation.frontends}
+    assert ip_address("198.51.100.4") in addresses and ip_address("192.0.2.9") not in addresses
+    [problem] = translation.problems
+    assert (problem.field, "192.0.2.9" in problem.message) == ("spec.externalIPs[0]", True)
+    # without the flag every externalIP is served, as kube-proxy does
+    everything = translate([svc], [endpoint_slice(endpoint("10.244.1.11"))], NodeContext())
+    assert ip_address("192.0.2.9") in {f.address for f in everything.frontends}
