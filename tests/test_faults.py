@@ -24,6 +24,7 @@ from tests.apiserver import TestApiServer
 from tests.reliability import (
     Client,
     Cluster,
+    descendants,
     expected_counts,
     failures_text,
     inconsistencies,
@@ -31,6 +32,7 @@ from tests.reliability import (
     read_maps,
     view_of,
     wait_converged,
+    wait_gone,
 )
 from tests.test_agent import KPR, status_json
 from tests.test_kubernetes import KubeAgent
@@ -62,8 +64,10 @@ def api():
 @pytest.fixture
 def agent(lab, api, tmp_path, pin_dir):
     process = KubeAgent(lab, api, pin_dir, tmp_path / "agent.log", sync_period=SYNC_PERIOD)
+    process.orphans = []  # children of agents killed with SIGKILL
     yield process
     process.kill()
+    wait_gone(process.orphans)
     subprocess.run([*KPR, "cleanup", "--bpffs", str(pin_dir)], capture_output=True)
 
 
@@ -167,6 +171,8 @@ def test_agent_killed_at_random_moments_while_applying_a_large_change(lab, api, 
                     t0 = time.monotonic()
                     delay = rng.uniform(0.6, 1.1) * first_sync
             time.sleep(max(0.0, t0 + delay - time.monotonic()))
+            # its loader child (compiling, attaching) runs on, as the next agent starts
+            agent.orphans += descendants(agent.process.pid)
             agent.kill(signal.SIGKILL)
             if when == "live":
                 writer.join()
