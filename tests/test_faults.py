@@ -120,9 +120,10 @@ def bulk_state(cluster: Cluster, flip: int) -> None:
         cluster.put(f"bulk-{i}", f"10.98.{i // 250}.{i % 250 + 1}", ("http",), addresses)
 
 
-def attached_lines(agent: KubeAgent) -> int:
-    """How many times an agent logged that its programs are loaded and maps adopted."""
-    return agent.log.read_text().count("attached to cgroup")
+def adopted_lines(agent: KubeAgent) -> int:
+    """How many times an agent logged that its programs are compiled and pinned and the
+    pinned maps read: start-up is over, the first sync (list, translate, write) begins."""
+    return agent.log.read_text().count("programs pinned in")
 
 
 def test_agent_killed_at_random_moments_while_applying_a_large_change(lab, api, agent):
@@ -133,7 +134,7 @@ def test_agent_killed_at_random_moments_while_applying_a_large_change(lab, api, 
     bulk_state(cluster, 0)
     began = time.monotonic()
     agent.start()
-    while not attached_lines(agent):
+    while not adopted_lines(agent):
         assert alive(agent), agent.log.read_text()
         time.sleep(0.01)
     loaded = time.monotonic() - began
@@ -159,13 +160,13 @@ def test_agent_killed_at_random_moments_while_applying_a_large_change(lab, api, 
             else:  # changed while the agent is down; killed again as it starts
                 agent.kill(signal.SIGKILL)
                 bulk_state(cluster, flip)
-                lines = attached_lines(agent)
+                lines = adopted_lines(agent)
                 t0 = time.monotonic()
                 agent.start()
-                if when == "start-up":  # compiling, attaching (the loader child), adopting
+                if when == "start-up":  # compiling and pinning (the loader child), adopting
                     delay = rng.uniform(0, loaded)
                 else:  # the first sync: listing, translating, then writing (at the end)
-                    while attached_lines(agent) == lines:
+                    while adopted_lines(agent) == lines:
                         assert alive(agent), agent.log.read_text()[-2000:]
                         time.sleep(0.01)
                     t0 = time.monotonic()
@@ -180,23 +181,29 @@ def test_agent_killed_at_random_moments_while_applying_a_large_change(lab, api, 
             faults = inconsistencies(state)
             have, after = view_of(state), cluster.expected()
             moment = "unchanged" if have == before else "done" if have == after else "mid-write"
+            restarted = time.monotonic()
             agent.start()
-            restart = converge(agent, cluster)
+            agent.wait_synced()  # its first sync done (maps may have been right before it)
+            converge(agent, cluster)
+            restart = time.monotonic() - restarted
             rounds.append((when, delay, moment, restart))
             assert not faults, f"kill {kill}: the maps a connect reads were inconsistent: {faults}"
+            # nothing the killed agent left half-done stays behind (unreferenced backends...)
+            entries = map_entries(status_json(agent.pin_dir))
+            assert entries == expected_counts(cluster.expected()), f"kill {kill}: {entries}"
         summary = client.stop()
     finally:
         client.kill()
     status = status_json(agent.pin_dir)
     print(
         f"\nkill: seed {seed}; {BULK} Services x 6 endpoints; agent start to programs "
-        f"attached {loaded:.2f}s, then to maps programmed {first_sync:.2f}s; a live agent "
-        f"applies the flip in {applying:.2f}s"
+        f"pinned and maps read {loaded:.2f}s, then to maps programmed {first_sync:.2f}s; "
+        f"a live agent applies the flip in {applying:.2f}s"
     )
     for i, (when, delay, moment, restart) in enumerate(rounds):
         print(
             f"kill {i}: SIGKILL {delay:.2f}s into the {when}: maps {moment}, consistent; "
-            f"restarted agent converged in {restart:.2f}s"
+            f"restarted agent synced, maps right, {restart:.2f}s after its start"
         )
     print(
         f"kill: client: {summary['connects']} connects to the stable Service over "

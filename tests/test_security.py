@@ -21,7 +21,7 @@ import yaml
 from kpr.lab.netns import Lab
 from tests import kube
 from tests.apiserver import TestApiServer
-from tests.test_agent import KPR
+from tests.test_agent import KPR, status_json
 from tests.test_kubernetes import KubeAgent
 
 # documentation ranges (RFC 5737): never routed; only the connect hook makes them answer
@@ -89,6 +89,27 @@ def test_an_external_ip_set_on_a_service_captures_connects_to_that_address(lab, 
     results = eventually(lambda: connect(lab, OUTSIDE_IP), served)
     assert all("pod" in r for r in results), results
     assert {r["peer"] for r in results} == {f"{OUTSIDE_IP}:80"}  # the client cannot tell
+
+
+def test_external_ip_cidrs_limits_the_external_ips_served(lab, api, agent):
+    allowed = "198.51.100.7"  # RFC 5737 too
+    agent.args += ["--external-ip-cidrs", "198.51.100.0/24"]
+    agent.start()
+    serve(
+        api,
+        lab,
+        kube.service(
+            "grab", ["10.96.0.30"], [("http", 80, "TCP")], externalIPs=[OUTSIDE_IP, allowed]
+        ),
+    )
+    assert served(eventually(lambda: connect(lab, allowed), served))
+    assert all("error" in r for r in connect(lab, OUTSIDE_IP, 3))
+
+    def named(problems: list[str]) -> bool:
+        return any("spec.externalIPs[0]" in p and "--external-ip-cidrs" in p for p in problems)
+
+    problems = eventually(lambda: status_json(agent.pin_dir)["agent"]["problems"], named)
+    assert named(problems), problems
 
 
 @pytest.mark.xfail(
