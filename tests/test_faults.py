@@ -305,13 +305,6 @@ WATCH_CUTS = 6
 PROMPT_S = 3.0  # a change after a cut watch, in the maps within this (client-go: at once)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="each watch cut backs off before watching again, and the back-off is reset only "
-    "when a watch ends cleanly (after 300-360s): after a few cuts every cut costs up to 30s "
-    "of staleness even though the API server is up; client-go watches again at once after "
-    "a stream that ends after being established",
-)
 def test_watches_cut_while_the_api_server_is_up_resume_promptly_every_time(lab, api, agent):
     cluster = Cluster(api)
     cluster.put("moving", MOVING_VIP, ("http",), pod_addresses(lab, 0))

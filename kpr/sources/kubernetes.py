@@ -109,6 +109,7 @@ class Watcher(threading.Thread):
         self.stats = WatchStats()
         self.backoff = Backoff()
         self._response = None
+        self._streaming_since: float | None = None  # when the current watch stream began
 
     def run(self) -> None:
         version: str | None = None
@@ -131,7 +132,17 @@ class Watcher(threading.Thread):
                 self._failed(f"API error {err.status}: {err.reason}")
             except Exception as err:  # network errors, timeouts: the server may come back
                 self.stats.connected = False
+                if self._streamed():
+                    # a stream that worked and then broke is no sign of a server in trouble:
+                    # watch again at once (after the first back-off step), as client-go does
+                    self.backoff.reset()
                 self._failed(f"{type(err).__name__}: {err}")
+
+    def _streamed(self) -> bool:
+        """Did the last watch stream run for a while before it ended? (client-go backs
+        off only after a watch that closed within a second.)"""
+        since, self._streaming_since = self._streaming_since, None
+        return since is not None and time.monotonic() - since >= 1.0
 
     def _failed(self, reason: str) -> None:
         self.stats.restarts += 1
@@ -190,6 +201,7 @@ class Watcher(threading.Thread):
             _preload_content=False,
         )
         self._response = response
+        self._streaming_since = time.monotonic()
         self.stats.connected = True
         try:
             for line in iter_resp_lines(response):
