@@ -116,10 +116,12 @@ static __always_inline void remember_peer(struct bpf_sock_addr *ctx, const __u32
 	peer->backend_port = backend_port;
 }
 
-/* Unconnected UDP: the socket's first (service, backend) pair is kept on the
- * socket too, so a resolver's short-lived sockets never fill a shared map: the
- * entry goes when the socket closes. Only a socket that talks to a second pair
- * needs the LRU map (false: use it). */
+/* Unconnected UDP: the socket's (service, backend) pair is kept on the socket too,
+ * so a resolver's short-lived sockets never fill a shared map: the entry goes when
+ * the socket closes. A later send to the same backend for another service takes the
+ * place (replies are matched by backend, and the latest send is the one answered, as
+ * with the LRU map); only a socket that talks to a second backend needs the LRU map
+ * (false: use it). */
 static __always_inline bool remember_on_socket(struct bpf_sock_addr *ctx, const __u32 *service,
 					       __u16 service_port, const __u32 *backend,
 					       __u16 backend_port, int words)
@@ -130,18 +132,17 @@ static __always_inline bool remember_on_socket(struct bpf_sock_addr *ctx, const 
 	if (!sk)
 		return false;
 	peer = kpr_sock_peer.sk_storage_get(sk, 0, 0);
-	if (!peer) {
-		remember_peer(ctx, service, service_port, backend, backend_port, words);
-		return true;
-	}
-	if (peer->service_port != service_port || peer->backend_port != backend_port)
-		return false;
-	__u32 *kept_service = (__u32 *)peer->service_address;
-	__u32 *kept_backend = (__u32 *)peer->backend_address;
-#pragma unroll
-	for (int i = 0; i < 4; i++)
-		if (i < words && (kept_service[i] != service[i] || kept_backend[i] != backend[i]))
+	if (peer) {
+		__u32 *kept_backend = (__u32 *)peer->backend_address;
+
+		if (peer->backend_port != backend_port)
 			return false;
+#pragma unroll
+		for (int i = 0; i < 4; i++)
+			if (i < words && kept_backend[i] != backend[i])
+				return false;
+	}
+	remember_peer(ctx, service, service_port, backend, backend_port, words);
 	return true;
 }
 

@@ -237,7 +237,7 @@ def test_connected_udp_clients_of_remaining_backends_are_left_alone(cluster):
     assert summary["pods"] == [first] and summary["errors"] == [], summary
 
 
-TWO_SERVICES = """
+SERVICES_FROM_ONE_SOCKET = """
 import json, socket, sys
 sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
 sock.settimeout(2)
@@ -257,18 +257,23 @@ def _sock_revnat_entries(cluster) -> int:
 
 def test_unconnected_udp_keeps_reverse_entries_on_the_socket_and_the_map_does_not_grow(cluster):
     cluster.echo()
-    other = "10.96.0.11"
-    cluster.apply(
-        "other.yaml",
-        kube.service("other", [other], PORTS),
-        kube.endpoint_slice("other", [str(cluster.lab.pods[0].ipv4)], POD_PORTS),
-    )
+    pods = cluster.lab.pods
+    first, shared, other = "10.96.0.11", "10.96.0.12", "10.96.0.13"
+    for name, vip, pod in (("first", first, 1), ("shared", shared, 1), ("other", other, 0)):
+        cluster.apply(
+            f"{name}.yaml",
+            kube.service(name, [vip], PORTS),
+            kube.endpoint_slice(name, [str(pods[pod].ipv4)], POD_PORTS),
+        )
     before = _sock_revnat_entries(cluster)
     # a resolver's way: many sockets, each to one service: nothing in the shared map
     cluster.probe("udp-unconnected", VIP4, 53, "--count", 2, "--sockets", 50)
     assert _sock_revnat_entries(cluster) == before
-    # a socket talking to two services: the second pair needs the map; replies show both
-    out = cluster.lab.run_client([sys.executable, "-c", TWO_SERVICES, VIP4, other])
+    # one socket, three services: two share a backend (the latest send is the one
+    # answered), the third has its own, which needs the map; every reply shows its service
+    out = cluster.lab.run_client(
+        [sys.executable, "-c", SERVICES_FROM_ONE_SOCKET, first, shared, other]
+    )
     assert out.returncode == 0, out.stderr
-    assert json.loads(out.stdout) == [f"{VIP4}:53", f"{other}:53"] * 3
+    assert json.loads(out.stdout) == [f"{first}:53", f"{shared}:53", f"{other}:53"] * 3
     assert _sock_revnat_entries(cluster) == before + 1
