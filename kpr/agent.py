@@ -259,6 +259,7 @@ class Agent:
         full = full or touched is None
         drift = 0
         if full:
+            self._repair_pins()
             self._repair_attachments()
             reread = self.maps.read()
             drift = _drift(self.programmed, reread)
@@ -354,6 +355,20 @@ class Agent:
         self.maps.sync_node_ports(node_ports)
         if self.health_checks is not None:
             self.health_problems = self.health_checks.update(self.desired.health_checks)
+
+    def _repair_pins(self) -> None:
+        """Pins removed behind kpr's back (`rm -r /sys/fs/bpf/kpr`) are put back: the maps
+        from the agent's open descriptors, the programs from what is attached. Without
+        them `kpr status` sees nothing and a restart would start from empty maps."""
+        if not self._attached or self.maps is None or self.cgroup is None:
+            return
+        pin_dir = self.config.pin_dir
+        restored = self.maps.repin() + loader.repin_programs(pin_dir, self.cgroup)
+        if self.config.devices:
+            restored += tc.repin(pin_dir, [d.name for d in self.config.devices])
+        if restored:
+            log.warning("pins removed behind kpr's back, pinned again: %s", ", ".join(restored))
+            self.repairs += len(restored)
 
     def _repair_attachments(self) -> None:
         """A hook detached behind kpr's back (bpftool cgroup detach, a cleanup script)

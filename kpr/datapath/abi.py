@@ -258,6 +258,9 @@ MAPS: dict[str, MapSpec] = {
 }
 
 
+# socket local storage (kpr_sock_peer): no entries to read or size, but pinned like the rest
+SOCK_PEER_PIN = f"v{ABI_VERSION}_sock_peer"
+
 MAP_PRESSURE = 0.9  # a map this full is reported (log, `kpr status`) before writes fail
 
 

@@ -252,6 +252,24 @@ def attached_hooks(cgroup: Path, pin_dir: Path) -> dict[str, bool]:
     return out
 
 
+def repin_programs(pin_dir: Path, cgroup: Path) -> list[str]:
+    """Pin again the programs whose pins are gone, from what is attached to `cgroup`."""
+    restored = []
+    cgroup_fd = os.open(cgroup, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        for hook in HOOKS:
+            pin = prog_pin(pin_dir, hook)
+            attached = _kpr_programs(cgroup_fd, hook)
+            if not pin.exists() and attached:
+                bpfsys.obj_pin(attached[-1][1], pin)  # the newest: attached last
+                restored.append(pin.name)
+            for _, fd in attached:
+                os.close(fd)
+    finally:
+        os.close(cgroup_fd)
+    return restored
+
+
 def unpin_all(pin_dir: Path) -> None:
     if not pin_dir.is_dir():
         return

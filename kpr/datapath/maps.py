@@ -10,6 +10,7 @@ from __future__ import annotations
 import ctypes as ct
 import errno
 import logging
+import os
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from ipaddress import ip_address, ip_network
@@ -329,10 +330,25 @@ class BpfMaps:
         for spec in abi.MAPS.values():
             path = pin_dir / spec.pin
             self.maps[spec.name] = bpfsys.PinnedMap.open(path, spec.key, spec.value)
+        # held open so a pin removed behind kpr's back can be put back (`repin`)
+        self.sock_peer_fd = bpfsys.obj_get(pin_dir / abi.SOCK_PEER_PIN)
 
     def close(self) -> None:
         for m in self.maps.values():
             m.close()
+        os.close(self.sock_peer_fd)
+
+    def repin(self) -> list[str]:
+        """Pin again every map whose pin is gone (the maps live on: kpr holds them)."""
+        self.pin_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        fds = {spec.pin: self.maps[name].fd for name, spec in abi.MAPS.items()}
+        fds[abi.SOCK_PEER_PIN] = self.sock_peer_fd
+        restored = []
+        for pin, fd in fds.items():
+            if not (self.pin_dir / pin).exists():
+                bpfsys.obj_pin(fd, self.pin_dir / pin)
+                restored.append(pin)
+        return restored
 
     def _family(self, base: str, version: int) -> bpfsys.PinnedMap:
         return self.maps[f"kpr_{base}{version}"]

@@ -276,6 +276,25 @@ def attached(devices: Iterable[str], pin_dir: Path | None = None) -> dict[str, b
     return out
 
 
+def repin(pin_dir: Path, devices: Iterable[str]) -> list[str]:
+    """Pin again the programs whose pins are gone, from kpr's filters on `devices`."""
+    restored = []
+    with _ipr() as ipr:
+        indexes = [found[0] for device in devices if (found := ipr.link_lookup(ifname=device))]
+        for direction in DIRECTIONS:
+            pin = prog_pin(pin_dir, direction)
+            ids = [f.prog_id for i in indexes for f in _kpr_filters(ipr, i, direction)]
+            if pin.exists() or not ids:
+                continue
+            fd = bpfsys.prog_fd_by_id(ids[0])
+            try:
+                bpfsys.obj_pin(fd, pin)
+            finally:
+                os.close(fd)
+            restored.append(pin.name)
+    return restored
+
+
 def _packed(address: Address, version: int) -> bytes:
     size = 4 if version == 4 else 16
     if address is None:
