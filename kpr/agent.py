@@ -142,6 +142,7 @@ class Agent:
         cgroup = host.require_cgroup2_dir(cfg.cgroup or host.cgroup2_root())
         self.cgroup = cgroup
         host.ensure_bpffs(cfg.pin_dir)
+        cfg.pin_dir.chmod(0o700)  # an existing directory too: the pins are root's alone
         self._previous = runstate.load(cfg.pin_dir)
         for change in loader.retire_mismatched_maps(cfg.pin_dir, cfg.sizes):
             # (type, key, value, max entries) changed by --map-sizes or a new build: a new

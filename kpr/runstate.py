@@ -30,9 +30,12 @@ def desired_path(pin_dir: Path) -> Path:
 
 
 def _write_atomically(path: Path, content: object) -> None:
+    # root only: the Services and endpoints of the cluster are in here (a hostPath the
+    # kubelet made may be 0755: tightened, not trusted)
     path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    path.parent.chmod(0o700)
     tmp = path.with_suffix(".tmp")
-    with tmp.open("w") as out:
+    with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as out:
         json.dump(content, out, separators=(",", ":"))
     tmp.replace(path)
 

@@ -49,7 +49,14 @@ def report(pin_dir: Path) -> dict:
             f"No kpr maps are pinned at {pin_dir}: kpr has not run here (or `kpr cleanup` "
             f"removed them). Start it with `kpr run`, or pass the --bpffs it runs with."
         )
-    maps = BpfMaps(pin_dir)
+    try:
+        maps = BpfMaps(pin_dir)
+    except OSError as err:
+        raise FileNotFoundError(
+            f"A kpr pin under {pin_dir} is missing ({err}): removed behind kpr's back? A "
+            f"running agent pins it again at its next full sync (syncPeriod); otherwise "
+            f"`kpr run` makes it anew."
+        ) from None
     try:
         programmed = maps.read()
         counters = maps.stats()

@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from kpr import runstate
 from kpr.lab.netns import Lab
 from tests import kube
 from tests.apiserver import TestApiServer
@@ -135,9 +136,15 @@ def test_load_balancer_source_ranges_also_hold_for_clients_on_the_node(lab, api,
     assert all("error" in r for r in results), f"served from outside the ranges: {results}"
 
 
-def test_the_pins_are_root_only(lab, api, agent):
+def test_the_pins_and_the_run_state_are_root_only(lab, api, agent):
+    agent.pin_dir.mkdir(exist_ok=True)  # made by someone else first (a hostPath, a script)
+    agent.pin_dir.chmod(0o755)
     agent.start()
     agent.wait_synced()
+    state = runstate.path_for(agent.pin_dir)
+    assert stat.S_IMODE(state.parent.stat().st_mode) == 0o700
+    assert stat.S_IMODE(state.stat().st_mode) == 0o600
+    assert stat.S_IMODE(runstate.desired_path(agent.pin_dir).stat().st_mode) == 0o600
     assert stat.S_IMODE(agent.pin_dir.stat().st_mode) == 0o700
     modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in agent.pin_dir.iterdir()}
     assert modes and set(modes.values()) == {0o600}, modes

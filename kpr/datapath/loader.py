@@ -8,13 +8,16 @@ no program on a hook.
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import errno
 import json
 import logging
 import os
+import signal
 import subprocess
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -282,9 +285,20 @@ def unpin_all(pin_dir: Path) -> None:
 def load(pin_dir: Path, cgroup: Path, sizes: abi.MapSizes, attach: bool = True) -> None:
     """Compile, pin and (with `attach`) attach in a child process: BCC and its LLVM are
     large, and the agent never needs them again once the programs are loaded."""
-    argv = [sys.executable, "-m", "kpr.datapath.loader", str(pin_dir), str(cgroup)]
-    argv += [json.dumps(dataclasses.asdict(sizes)), "attach" if attach else "pin"]
-    result = subprocess.run(argv, capture_output=True, text=True)
+    sizes_arg = json.dumps(dataclasses.asdict(sizes))
+    args = [str(pin_dir), str(cgroup), sizes_arg, "attach" if attach else "pin"]
+    run_child("kpr.datapath.loader", args, "the BPF programs")
+
+
+def run_child(module: str, args: list[str], what: str) -> None:
+    """`python -m module args`, a loader's child process: its SetupError comes back as
+    ours. It dies with the agent, so a quick restart never races a stray loader."""
+    result = subprocess.run(
+        [sys.executable, "-m", module, *args],
+        capture_output=True,
+        text=True,
+        preexec_fn=_die_with_parent,
+    )
     if result.returncode == 0:
         if result.stderr.strip():
             log.debug("BCC said: %s", result.stderr.strip())
@@ -292,25 +306,39 @@ def load(pin_dir: Path, cgroup: Path, sizes: abi.MapSizes, attach: bool = True) 
     message = result.stderr.strip()
     if result.returncode == _SETUP_ERROR and _SETUP_MARK in message:
         raise host.SetupError(message.split(_SETUP_MARK, 1)[1].strip())
-    raise host.SetupError(f"Loading the BPF programs failed (exit {result.returncode}):\n{message}")
+    raise host.SetupError(f"Loading {what} failed (exit {result.returncode}):\n{message}")
+
+
+def _die_with_parent() -> None:
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
 
 _SETUP_ERROR = 2
 _SETUP_MARK = "kpr-loader-error:"
 
 
+def child_main(work: Callable[[], object]) -> int:
+    """A loader child's body: a SetupError is printed for `run_child` to raise again."""
+    try:
+        work()
+    except host.SetupError as err:
+        print(f"{_SETUP_MARK} {err}", file=sys.stderr)
+        return _SETUP_ERROR
+    return 0
+
+
 def _main(argv: list[str]) -> int:
     pin_dir, cgroup, sizes = Path(argv[0]), Path(argv[1]), abi.MapSizes(**json.loads(argv[2]))
-    try:
+
+    def work() -> None:
         bpf = compile_and_pin(pin_dir, sizes)
         if argv[3] == "attach":
             attach(bpf, pin_dir, cgroup)
         else:
             pin_programs(bpf, pin_dir)
-    except host.SetupError as err:
-        print(f"{_SETUP_MARK} {err}", file=sys.stderr)
-        return _SETUP_ERROR
-    return 0
+
+    return child_main(work)
 
 
 if __name__ == "__main__":

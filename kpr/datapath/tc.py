@@ -24,7 +24,6 @@ import logging
 import os
 import socket
 import struct
-import subprocess
 import sys
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -354,32 +353,20 @@ def device_addresses(devices: Iterable[str]) -> dict[int, tuple[str | None, str 
 def load(pin_dir: Path, sizes: abi.MapSizes, devices: list[str]) -> None:
     """Compile, pin and attach to `devices` (none: pin only) in a child process (BCC and
     LLVM are large; the agent does not need them once the programs are loaded)."""
-    argv = [sys.executable, "-m", "kpr.datapath.tc", str(pin_dir)]
-    argv += [json.dumps(dataclasses.asdict(sizes)), json.dumps(devices)]
-    result = subprocess.run(argv, capture_output=True, text=True)
-    if result.returncode == 0:
-        return
-    message = result.stderr.strip()
-    if result.returncode == _SETUP_ERROR and _SETUP_MARK in message:
-        raise host.SetupError(message.split(_SETUP_MARK, 1)[1].strip())
-    raise host.SetupError(f"Loading the TC programs failed (exit {result.returncode}):\n{message}")
-
-
-_SETUP_ERROR = 2
-_SETUP_MARK = "kpr-tc-loader-error:"
+    args = [str(pin_dir), json.dumps(dataclasses.asdict(sizes)), json.dumps(devices)]
+    loader.run_child("kpr.datapath.tc", args, "the TC programs")
 
 
 def _main(argv: list[str]) -> int:
     pin_dir, sizes = Path(argv[0]), abi.MapSizes(**json.loads(argv[1]))
     devices = json.loads(argv[2])
-    try:
+
+    def work() -> None:
         compile_and_pin(pin_dir, sizes)
         if devices:
             attach(pin_dir, devices)
-    except host.SetupError as err:
-        print(f"{_SETUP_MARK} {err}", file=sys.stderr)
-        return _SETUP_ERROR
-    return 0
+
+    return loader.child_main(work)
 
 
 if __name__ == "__main__":
