@@ -119,6 +119,12 @@ def _translate_service(
                 translation.held.add(frontend)
                 continue
             ranges = ()
+            if kind == "LoadBalancer" and frontend.scope == SOCKET and not allowed_from_node(
+                service, node
+            ):
+                # the socket does not know the source yet: leave these connects to the
+                # network, where the load balancer's TC entry checks them
+                continue
             if kind == "LoadBalancer" and frontend.scope == EXTERNAL:
                 # Only the LoadBalancer IPs, never the NodePort; each family its own ranges.
                 ranges = tuple(
@@ -171,6 +177,13 @@ def frontends_of(
     localhost = node.localhost_node_ports and 4 in families
     if node_port and localhost and LOCALHOST not in node.node_port_addresses:
         yield Frontend(LOCALHOST, node_port, protocol, SOCKET), "NodePort", "Cluster"
+
+
+def allowed_from_node(service: Service, node: NodeContext) -> bool:
+    """loadBalancerSourceRanges let the node's own clients in only when a range holds a
+    node address (kube-proxy's allowFromNode)."""
+    ranges = service.load_balancer_source_ranges
+    return not ranges or any(a in r for r in ranges for a in node.node_port_addresses)
 
 
 def external_ip_allowed(address: IPAddress, node: NodeContext) -> bool:

@@ -113,12 +113,6 @@ def test_external_ip_cidrs_limits_the_external_ips_served(lab, api, agent):
     assert named(problems), problems
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="loadBalancerSourceRanges are applied only by the TC program (traffic arriving "
-    "on --devices); at the socket, the node's processes and pods reach the LoadBalancer IP "
-    "from any source, where kube-proxy drops them (KUBE-PROXY-FIREWALL / firewall-check)",
-)
 def test_load_balancer_source_ranges_also_hold_for_clients_on_the_node(lab, api, agent):
     agent.start()
     service = kube.service(

@@ -655,7 +655,12 @@ def test_load_balancer_ips_with_source_ranges_and_external_ips():
     assert frontends[Frontend(NODE_IP, 30080, "TCP", EXTERNAL)].source_ranges == ()
     external_ip = frontends[Frontend(ip_address("192.0.2.9"), 80, "TCP", EXTERNAL)]
     assert (external_ip.kind, external_ip.source_ranges) == ("ExternalIP", ())
-    assert frontends[Frontend(LB_IP, 80, "TCP", SOCKET)].source_ranges == ()
+    # the node's own clients: only when a range holds a node address (allowFromNode)
+    assert Frontend(LB_IP, 80, "TCP", SOCKET) not in frontends
+    with_node = replace(svc, load_balancer_source_ranges=(*ranges, ip_network("192.168.50.0/24")))
+    assert (
+        Frontend(LB_IP, 80, "TCP", SOCKET) in translate([with_node], [eps], EXTERNAL_NODE).frontends
+    )
     # status IPs of a Service that is no longer a LoadBalancer are not served
     demoted = translate([replace(svc, type="NodePort")], [eps], EXTERNAL_NODE).frontends
     assert LB_IP not in {f.address for f in demoted}
