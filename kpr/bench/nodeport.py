@@ -1,10 +1,13 @@
 """NodePort request rate from outside the node: direct vs kube-proxy's iptables rules vs kpr.
 
-    python -m kpr.bench.nodeport [--rounds 5] [--connections 4000] [--json FILE]
+    python -m kpr.bench.nodeport [--rounds 5] [--connections 4000] [--services 1,1000]
+                                 [--json FILE]
 
 A one-node kpr.lab.cluster lab: the external client (its own netns) opens short TCP
 connections (connect, one request byte, one answer byte, RST close: the bench load tool's
-`rr`) to one NodePort Service whose two endpoints are pods on the node.
+`rr`) to one NodePort Service whose two endpoints are pods on the node. With `--services N`
+the cluster has N-1 more (ClusterIP) Services, programmed in every mode: kube-proxy's
+KUBE-SERVICES chain lists each before the NodePort jump, which it holds last.
 
 - ``direct``: straight to the pods (routed through the node), the physical limit;
 - ``iptables``: kube-proxy's nat rules for the Service (KUBE-NODEPORTS -> KUBE-EXT- with
@@ -48,7 +51,8 @@ def _run(argv: list[str], stdin: str | None = None) -> str:
 
 
 class NodePortBench:
-    def __init__(self, tool: Path, workdir: Path) -> None:
+    def __init__(self, tool: Path, workdir: Path, services: int = 1) -> None:
+        self.services = services
         self.tool = tool
         self.workdir = workdir
         self.servers: list[subprocess.Popen] = []
@@ -129,14 +133,47 @@ class NodePortBench:
             "ports": [{"name": "rr", "port": SERVER_PORT, "protocol": "TCP"}],
             "endpoints": endpoints,
         }
-        return {"apiVersion": "v1", "kind": "List", "items": [service, slice_]}
+        items = [service, slice_]
+        for i, (vip, endpoint) in enumerate(self._others()):
+            items += [
+                {
+                    "apiVersion": "v1",
+                    "kind": "Service",
+                    "metadata": {"name": f"other-{i}", "namespace": "default"},
+                    "spec": {"clusterIP": vip, "ports": [{"name": "rr", "port": 80}]},
+                },
+                {
+                    "apiVersion": "discovery.k8s.io/v1",
+                    "kind": "EndpointSlice",
+                    "metadata": {
+                        "name": f"other-{i}-1",
+                        "namespace": "default",
+                        "labels": {"kubernetes.io/service-name": f"other-{i}"},
+                    },
+                    "addressType": "IPv4",
+                    "ports": [{"name": "rr", "port": SERVER_PORT, "protocol": "TCP"}],
+                    "endpoints": [{"addresses": [endpoint]}],
+                },
+            ]
+        return {"apiVersion": "v1", "kind": "List", "items": items}
+
+    def _others(self) -> list[tuple[str, str]]:
+        """(ClusterIP, endpoint) of the other Services: addresses nothing answers on."""
+        return [
+            (f"10.97.{i // 256}.{i % 256}", f"10.250.{i // 256}.{i % 256}")
+            for i in range(self.services - 1)
+        ]
 
     def _iptables_rules(self) -> str:
         port = rules.ServicePort(
             "default", "bench", "rr", "TCP", "10.96.5.5", 80,
             tuple((ip, SERVER_PORT) for ip in self.pods), NODE_PORT,
         )  # fmt: skip
-        return rules.iptables_restore([port], "10.244.0.0/16")
+        others = [
+            rules.ServicePort("default", f"other-{i}", "rr", "TCP", vip, 80, ((ep, SERVER_PORT),))
+            for i, (vip, ep) in enumerate(self._others())
+        ]
+        return rules.iptables_restore([*others, port], "10.244.0.0/16")
 
     def switch(self, mode: str) -> None:
         """Leave only `mode`'s datapath in the node: kpr's TC filters or kube-proxy's rules."""
@@ -178,11 +215,14 @@ class NodePortBench:
         self.cluster.close()
 
 
-def run(rounds: int, connections: int) -> dict:
+def run(rounds: int, connections: int, services: int = 1) -> dict:
     tool = build_loadgen()
     samples: dict[str, list[float]] = {mode: [] for mode in MODES}
     failures = dict.fromkeys(MODES, 0)
-    with tempfile.TemporaryDirectory() as tmp, NodePortBench(tool, Path(tmp)) as bench:
+    with (
+        tempfile.TemporaryDirectory() as tmp,
+        NodePortBench(tool, Path(tmp), services) as bench,
+    ):
         for mode in MODES:  # warm-up: conntrack, neighbours, the agent's first flows
             bench.switch(mode)
             bench.measure(mode, connections // 4)
@@ -196,6 +236,7 @@ def run(rounds: int, connections: int) -> dict:
                     raise RuntimeError(f"{mode} did not reach every backend: {result}")
     rates = {mode: statistics.median(values) for mode, values in samples.items()}
     return {
+        "services": services,
         "rounds": rounds,
         "connections_per_round": connections,
         "rate_per_s": {mode: round(rate, 1) for mode, rate in rates.items()},
@@ -209,20 +250,29 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--connections", type=int, default=4000)
+    parser.add_argument("--services", default="1,1000", help="cluster sizes, comma-separated")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
+    sizes = [int(n) for n in args.services.split(",")]
+    if not sizes or min(sizes) < 1 or max(sizes) > 60000:
+        print("kpr.bench.nodeport: --services takes sizes from 1 to 60000", file=sys.stderr)
+        return 2
     for tool in ("nsenter", "iptables-restore", "cc"):
         if shutil.which(tool) is None:
             print(f"kpr.bench.nodeport: {tool} is needed", file=sys.stderr)
             return 2
-    result = run(args.rounds, args.connections)
-    print(f"NodePort short connections, {args.connections} per round, {args.rounds} rounds:")
-    for mode in MODES:
-        rate, ratio = result["rate_per_s"][mode], result["ratio_to_direct"][mode]
-        print(f"  {mode:<9} {rate:>9.1f} conn/s   {ratio:.3f} x direct   "
-              f"failures {result['failures'][mode]}")  # fmt: skip
+    results = []
+    for size in sizes:
+        result = run(args.rounds, args.connections, size)
+        results.append(result)
+        print(f"NodePort short connections, {size} services, {args.connections} per round, "
+              f"{args.rounds} rounds:")  # fmt: skip
+        for mode in MODES:
+            rate, ratio = result["rate_per_s"][mode], result["ratio_to_direct"][mode]
+            print(f"  {mode:<9} {rate:>9.1f} conn/s   {ratio:.3f} x direct   "
+                  f"failures {result['failures'][mode]}")  # fmt: skip
     if args.json:
-        args.json.write_text(json.dumps(result, indent=2) + "\n")
+        args.json.write_text(json.dumps(results, indent=2) + "\n")
     return 0
 
 
