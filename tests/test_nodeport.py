@@ -26,6 +26,7 @@ KPR = [sys.executable, "-m", "kpr.cli"]
 CLIENT, OTHER_CLIENT = "192.168.50.100", "192.168.50.101"
 LB_IP, EXTERNAL_IP, LB_IP6 = "192.168.60.10", "192.168.60.20", "fd00:60::10"
 POD_PORTS = [("http", 8080, "TCP"), ("dns", 8080, "UDP")]
+SYNC_PERIOD = 3  # full syncs (drift and attachment repair) this often, in seconds
 
 
 @pytest.fixture(scope="module")
@@ -57,7 +58,9 @@ class Agents:
         began = time.time()
         for node in self.cluster.nodes:
             with (self.logs / f"{node.name}.log").open("a") as log:
-                argv = self.cluster.agent_command(node, self.source, self.pins[node.name])
+                argv = self.cluster.agent_command(
+                    node, self.source, self.pins[node.name], "--sync-period", str(SYNC_PERIOD)
+                )
                 self.processes[node.name] = subprocess.Popen(
                     argv, stdout=log, stderr=subprocess.STDOUT
                 )
@@ -302,3 +305,18 @@ def test_processes_on_the_node_reach_node_ports_at_the_socket(cluster, agents):
     bind = "import socket; socket.socket().bind(('0.0.0.0', 30080))"
     taken = n1.lab.run_client([sys.executable, "-c", bind])
     assert "Address already in use" in taken.stderr
+
+
+DETACH = "from kpr.datapath import tc; print(tc.detach(['eth0']))"
+
+
+def test_tc_programs_removed_behind_the_agents_back_are_attached_again(cluster, agents):
+    n1 = cluster.nodes[0]
+    in_node = ["nsenter", f"--net=/run/netns/{n1.netns}", sys.executable, "-c", DETACH]
+    assert subprocess.run(in_node, capture_output=True, text=True).stdout.strip() == "2"
+    assert "error" in probe(cluster, "tcp", str(n1.ipv4), 30080)[0]  # nothing serves it now
+    deadline = time.monotonic() + 3 * SYNC_PERIOD
+    while "TC programs gone from eth0" not in agents.log("node-1"):
+        assert time.monotonic() < deadline, agents.log("node-1")[-2000:]
+        time.sleep(0.2)
+    assert all("pod" in r for r in probe(cluster, "tcp", str(n1.ipv4), 30080, count=10))
