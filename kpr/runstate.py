@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -34,10 +35,12 @@ def _write_atomically(path: Path, content: object) -> None:
     # kubelet made may be 0755: tightened, not trusted)
     path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
     path.parent.chmod(0o700)
-    tmp = path.with_suffix(".tmp")
-    with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as out:
+    # a temporary file of its own (mode 0600): the agent's saver thread and a caller may
+    # write at the same moment
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
+    with os.fdopen(fd, "w") as out:
         json.dump(content, out, separators=(",", ":"))
-    tmp.replace(path)
+    os.replace(tmp, path)
 
 
 @dataclass
