@@ -27,6 +27,25 @@ def _skip_unless_kernel_ready() -> None:
         pytest.skip("needs iproute2's `ip` for network namespaces")
 
 
+@pytest.fixture(scope="module")
+def lab():
+    """A node netns with three pods and a client cgroup, shared by a module's tests."""
+    _skip_unless_kernel_ready()
+    from kpr.lab.netns import Lab
+
+    with Lab(pods=3) as made:
+        yield made
+
+
+@pytest.fixture
+def api():
+    """The test API server (tests/apiserver.py), bookmarks every half second."""
+    from tests.apiserver import TestApiServer
+
+    with TestApiServer(bookmark_interval=0.5) as server:
+        yield server
+
+
 @pytest.fixture
 def pin_dir():
     """A pin directory of this test's own on bpffs, removed afterwards."""

@@ -23,15 +23,6 @@ from tests.test_datapath import POD_PORTS, PORTS, VIP4, VIP6
 KPR = [sys.executable, "-m", "kpr.cli"]
 
 
-@pytest.fixture(scope="module")
-def lab():
-    from tests.conftest import _skip_unless_kernel_ready
-
-    _skip_unless_kernel_ready()
-    with Lab(pods=3) as lab:
-        yield lab
-
-
 def echo(lab: Lab, directory: Path, pods=(0, 1, 2)) -> None:
     chosen = [lab.pods[i] for i in pods]
     kube.write(

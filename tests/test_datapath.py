@@ -23,15 +23,6 @@ PORTS = [("http", 80, "TCP"), ("dns", 53, "UDP")]
 POD_PORTS = [("http", 8080, "TCP"), ("dns", 8080, "UDP")]
 
 
-@pytest.fixture(scope="module")
-def lab():
-    from tests.conftest import _skip_unless_kernel_ready
-
-    _skip_unless_kernel_ready()
-    with Lab(pods=3) as lab:
-        yield lab
-
-
 class Cluster:
     """A manifest directory, and an in-process agent syncing it into the maps."""
 

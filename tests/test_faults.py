@@ -45,15 +45,6 @@ BULK = 800  # Services in the large change, 6 endpoints each
 KILLS = 9  # while a live agent applies a change, during a restart's start-up, its first sync
 
 
-@pytest.fixture(scope="module")
-def lab():
-    from tests.conftest import _skip_unless_kernel_ready
-
-    _skip_unless_kernel_ready()
-    with Lab(pods=3) as lab:
-        yield lab
-
-
 @pytest.fixture
 def api():
     # history enough for a large change: a watcher that falls behind it would relist

@@ -25,21 +25,6 @@ from tests.test_agent import KPR, AgentProcess, status_json
 VIP = "10.96.0.10"
 
 
-@pytest.fixture(scope="module")
-def lab():
-    from tests.conftest import _skip_unless_kernel_ready
-
-    _skip_unless_kernel_ready()
-    with Lab(pods=3) as lab:
-        yield lab
-
-
-@pytest.fixture
-def api():
-    with TestApiServer(bookmark_interval=0.5) as server:
-        yield server
-
-
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

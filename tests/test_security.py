@@ -30,21 +30,6 @@ OUTSIDE_IP = "192.0.2.99"
 LB_IP = "192.0.2.10"
 
 
-@pytest.fixture(scope="module")
-def lab():
-    from tests.conftest import _skip_unless_kernel_ready
-
-    _skip_unless_kernel_ready()
-    with Lab(pods=3) as lab:
-        yield lab
-
-
-@pytest.fixture
-def api():
-    with TestApiServer(bookmark_interval=0.5) as server:
-        yield server
-
-
 @pytest.fixture
 def agent(lab, api, tmp_path, pin_dir):
     process = KubeAgent(lab, api, pin_dir, tmp_path / "agent.log", sync_period=2)

@@ -50,15 +50,6 @@ STABLE = {
 }
 
 
-@pytest.fixture(scope="module")
-def lab():
-    from tests.conftest import _skip_unless_kernel_ready
-
-    _skip_unless_kernel_ready()
-    with Lab(pods=3) as lab:
-        yield lab
-
-
 @pytest.fixture
 def agent(lab, tmp_path, pin_dir):
     with TestApiServer(bookmark_interval=1.0) as api:
