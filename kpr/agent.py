@@ -455,17 +455,18 @@ class Agent:
         """Entries and capacity of the service, backend and reverse maps, from what
         the agent wrote (reading the kernel maps would walk every key)."""
         sizes = self.config.sizes
-        fill = {}
-        for version in (4, 6):
-            services = [s for f, s in self.programmed.services.items() if f.family == version]
-            fill[f"services{version}"] = (sum(1 + len(s.slots) for s in services), sizes.services)
-            backends = [
-                b for b in self.programmed.backends.values() if b.address.version == version
-            ]
-            fill[f"backends{version}"] = (len(backends), sizes.backends)
-            revnat = [f for f in self.programmed.revnat.values() if f.family == version]
-            fill[f"revnat{version}"] = (len(revnat), sizes.revnat)
-        return fill
+        used = dict.fromkeys(
+            (f"{m}{v}" for m in ("services", "backends", "revnat") for v in (4, 6)), 0
+        )
+        for frontend, service in self.programmed.services.items():
+            used[f"services{frontend.address.version}"] += 1 + len(service.slots)
+        v6 = sum(1 for b in self.programmed.backends.values() if b.address.version == 6)
+        used["backends6"] = v6
+        used["backends4"] = len(self.programmed.backends) - v6
+        for frontend in self.programmed.revnat.values():
+            used[f"revnat{frontend.address.version}"] += 1
+        capacity = {"services": sizes.services, "backends": sizes.backends, "revnat": sizes.revnat}
+        return {name: (count, capacity[name[:-1]]) for name, count in used.items()}
 
     def _report(self, problems: list[Problem]) -> None:
         """Log each problem once, while it lasts."""

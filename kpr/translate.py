@@ -119,8 +119,10 @@ def _translate_service(
                 translation.held.add(frontend)
                 continue
             ranges = ()
-            if kind == "LoadBalancer" and frontend.scope == SOCKET and not allowed_from_node(
-                service, node
+            if (
+                kind == "LoadBalancer"
+                and frontend.scope == SOCKET
+                and not allowed_from_node(service, node)
             ):
                 # the socket does not know the source yet: leave these connects to the
                 # network, where the load balancer's TC entry checks them

@@ -90,13 +90,15 @@ class Plan:
     backend_deletes: dict[int, Backend] = field(default_factory=dict)
     # slots each frontend had before (0: new), so a failed write can free what it added
     old_counts: dict[Frontend, int] = field(default_factory=dict)
+    # each planned frontend as the maps hold it once the plan is written (not a write)
+    after: dict[Frontend, ProgrammedService] = field(default_factory=dict)
 
     def is_empty(self) -> bool:
         return self.writes() == 0
 
     def writes(self) -> int:
         """Map operations this plan makes."""
-        return sum(len(v) for k, v in vars(self).items() if k != "old_counts")
+        return sum(len(v) for k, v in vars(self).items() if k not in ("old_counts", "after"))
 
 
 def assign_slots(current: list[int], wanted: list[int]) -> list[int]:
@@ -169,6 +171,9 @@ def plan(
                 )
             )
             out.old_counts[frontend] = 0
+            out.after[frontend] = ProgrammedService(
+                next_service_id, wanted, state.affinity_timeout, flags_of(state)
+            )
             continue
         service_id = current.service_id
         old_slots = current.slots
@@ -196,6 +201,10 @@ def plan(
         ):
             out.master_writes.append(
                 Master(frontend, len(slots), service_id, state.affinity_timeout, flags)
+            )
+        if slots != old_slots or out.master_writes and out.master_writes[-1].frontend == frontend:
+            out.after[frontend] = ProgrammedService(
+                service_id, slots, state.affinity_timeout, flags
             )
         out.slot_deletes.extend((frontend, i) for i in range(len(slots) + 1, len(old_slots) + 1))
 
@@ -239,30 +248,12 @@ def plan(
 def apply_plan(programmed: ProgrammedState, steps: Plan) -> None:
     """Update the in-memory picture of the maps as if all of `steps` were written."""
     programmed.backends.update(steps.backend_writes)
-    for bid, backend in steps.backend_writes.items():
-        programmed.backend_index[backend] = bid
-        programmed.max_backend_id = max(programmed.max_backend_id, bid)
-    written: dict[Frontend, dict[int, int]] = {}
-    for (frontend, slot), bid in steps.slot_writes.items():
-        written.setdefault(frontend, {})[slot] = bid
-    masters = {m.frontend: m for m in steps.master_writes}
-    for frontend in written.keys() | masters.keys():
+    programmed.backend_index.update((b, bid) for bid, b in steps.backend_writes.items())
+    programmed.max_backend_id = max(programmed.max_backend_id, *steps.backend_writes, 0)
+    for frontend, new in steps.after.items():
         current = programmed.services.get(frontend)
-        slots = dict(enumerate(current.slots, start=1)) if current else {}
-        slots.update(written.get(frontend, {}))
-        if master := masters.get(frontend):
-            count, service_id = master.count, master.service_id
-            affinity, flags = master.affinity_timeout, master.flags
-        elif current:
-            count, service_id = len(current.slots), current.service_id
-            affinity, flags = current.affinity_timeout, current.flags
-        else:
-            continue  # slots without a master: never planned
         if current:
             programmed.refs.subtract(current.slots)
-        new = ProgrammedService(
-            service_id, [slots[i] for i in range(1, count + 1)], affinity, flags
-        )
         programmed.services[frontend] = new
         programmed.refs.update(new.slots)
     programmed.revnat.update(steps.revnat_writes)
