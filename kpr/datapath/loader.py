@@ -277,7 +277,7 @@ def unpin_all(pin_dir: Path) -> None:
     if not pin_dir.is_dir():
         return
     for path in pin_dir.iterdir():
-        if path.name.startswith("v"):
+        if path.name.startswith(("v", RETIRED)):  # kpr's, of any version, and set aside
             path.unlink()
     pin_dir.rmdir()
 
