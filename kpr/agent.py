@@ -32,6 +32,7 @@ from kpr.model import (
     Backend,
     Frontend,
     NodeContext,
+    ObjectRef,
     Problem,
     ServiceKey,
     Snapshot,
@@ -231,8 +232,13 @@ class Agent:
         for frontend, key in partial.owners.items():
             other = self.desired.owners.get(frontend)
             if other is not None and other != key:
+                # with the loser's ref, so its next change replaces this problem
                 self.desired.problems.append(
-                    Problem(f"{frontend} is also claimed by Service {other[0]}/{other[1]}")
+                    Problem(
+                        f"{frontend} is also claimed by Service {other[0]}/{other[1]}, "
+                        "which keeps it",
+                        ObjectRef("Service", *key),
+                    )
                 )
                 continue
             self.desired.owners[frontend] = key

@@ -224,3 +224,19 @@ def test_source_ranges_change_without_a_moment_of_deny_all_and_leave_nothing_beh
         assert sync(maps, ranged(ranges)) == 0  # and a second sync writes nothing
     sync(maps, Translation())
     assert maps.ranges == {}
+
+
+def test_a_conflict_found_by_partial_syncs_is_one_problem_however_often_it_repeats():
+    from kpr.agent import Agent, AgentConfig
+    from kpr.model import Service, ServicePort, Snapshot
+
+    def service(name: str) -> Service:
+        port = ServicePort("http", "TCP", 80)
+        return Service("default", name, cluster_ips=(ip_address("10.96.0.1"),), ports=(port,))
+
+    agent = Agent(source=None, config=AgentConfig())  # translation only: no maps, no kernel
+    agent._translate(Snapshot([service("a")], [], []))
+    for _ in range(5):  # "b" keeps changing while "a" holds the address
+        agent._translate(Snapshot([service("b")], [], [], changed={("default", "b")}))
+    claims = [p for p in agent.desired.problems if "also claimed" in p.message]
+    assert len(claims) == 1 and claims[0].ref.name == "b", claims
