@@ -346,6 +346,24 @@ def test_map_sizes_that_do_not_parse_are_refused(tmp_path, pin_dir, cgroup):
     assert out.returncode == 2 and "unknown map 'servces'" in out.stderr
 
 
+@pytest.mark.parametrize(
+    ("flag", "value", "said"),
+    [
+        ("--devices", "no-such-dev0", "no device 'no-such-dev0'"),
+        ("--external-ip-cidrs", "10.0.0.0/33", "--external-ip-cidrs"),
+    ],
+)
+def test_bad_devices_and_cidrs_are_refused_naming_the_flag(
+    tmp_path, pin_dir, cgroup, flag, value, said
+):
+    out = run_kpr(
+        "run", "--source", str(tmp_path), "--cgroup", str(cgroup), "--bpffs", str(pin_dir),
+        flag, value, *([] if flag == "--devices" else ["--devices", "none"]),
+    )  # fmt: skip
+    assert out.returncode == 2 and said in out.stderr, out.stderr
+    assert "Traceback" not in out.stderr
+
+
 def test_node_ports_answer_on_localhost_and_local_binds_cannot_shadow_them(lab, agent):
     source = agent.log.parent / "manifests"
     svc = kube.service("np", [VIP4], [], type="NodePort")

@@ -10,7 +10,6 @@ import copy
 import json
 import re
 import stat
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -20,22 +19,15 @@ import yaml
 
 from kpr import runstate
 from kpr.lab.netns import Lab
-from tests import kube
+from tests import kube, test_kubernetes
 from tests.apiserver import TestApiServer
-from tests.test_agent import KPR, status_json
-from tests.test_kubernetes import KubeAgent
+from tests.test_agent import status_json
+
+agent = test_kubernetes.agent  # the same fixture: one KubeAgent per test
 
 # documentation ranges (RFC 5737): never routed; only the connect hook makes them answer
 OUTSIDE_IP = "192.0.2.99"
 LB_IP = "192.0.2.10"
-
-
-@pytest.fixture
-def agent(lab, api, tmp_path, pin_dir):
-    process = KubeAgent(lab, api, pin_dir, tmp_path / "agent.log", sync_period=2)
-    yield process
-    process.kill()
-    subprocess.run([*KPR, "cleanup", "--bpffs", str(pin_dir)], capture_output=True)
 
 
 def connect(lab: Lab, address: str, count: int = 5) -> list[dict]:

@@ -330,26 +330,6 @@ def write_devices(
             table.close()
 
 
-def device_addresses(devices: Iterable[str]) -> dict[int, tuple[str | None, str | None]]:
-    """ifindex -> (first global IPv4, first global IPv6) of each named device: what
-    write_devices takes. SetupError for a device that does not exist."""
-    out = {}
-    with _ipr() as ipr:
-        for device in devices:
-            index = _index(ipr, device)
-            ipv4 = ipv6 = None
-            for message in ipr.get_addr(index=index):
-                if message["scope"] != 0:  # RT_SCOPE_UNIVERSE only: not link-local
-                    continue
-                address = message.get_attr("IFA_ADDRESS")
-                if message["family"] == 2 and ipv4 is None:
-                    ipv4 = address
-                elif message["family"] == 10 and ipv6 is None:
-                    ipv6 = address
-            out[index] = (ipv4, ipv6)
-    return out
-
-
 def load(pin_dir: Path, sizes: abi.MapSizes, devices: list[str]) -> None:
     """Compile, pin and attach to `devices` (none: pin only) in a child process (BCC and
     LLVM are large; the agent does not need them once the programs are loaded)."""
