@@ -42,8 +42,8 @@ def _skip_unless_netns_works() -> None:
 def _leftovers(lab_id: str) -> list[str]:
     names = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     left = [line.split()[0] for line in names.splitlines() if line.startswith(f"{lab_id}-")]
-    cgroup = cgroup2_root() / f"kpr-lab-{lab_id}"
-    return left + ([str(cgroup)] if cgroup.exists() else [])
+    cgroups = [cgroup2_root() / f"kpr-lab-{lab_id}{suffix}" for suffix in ("", "-baseline")]
+    return left + [str(cgroup) for cgroup in cgroups if cgroup.exists()]
 
 
 def _probe(lab: Lab, *args: str) -> dict:
@@ -79,6 +79,16 @@ def test_clients_run_in_the_node_netns_and_the_lab_cgroup(lab: Lab) -> None:
 def test_lab_cgroup_is_a_child_never_the_root(lab: Lab) -> None:
     assert lab.cgroup.parent == cgroup2_root()
     assert lab.cgroup.name.startswith("kpr-lab-")
+
+
+def test_baseline_clients_run_beside_the_lab_cgroup_not_under_it(lab: Lab) -> None:
+    # a program attached to lab.cgroup also runs for its descendants: the baseline must be a
+    # sibling, or a benchmark's "direct" would pay for the programs under test
+    cgroup = lab.run_client(["cat", "/proc/self/cgroup"], cgroup=lab.baseline_cgroup).stdout
+
+    assert f"0::/{lab.baseline_cgroup.relative_to(cgroup2_root())}\n" in cgroup
+    assert lab.baseline_cgroup.parent == lab.cgroup.parent
+    assert lab.baseline_cgroup != lab.cgroup
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -230,14 +240,15 @@ def test_cleanup_stale_removes_leftovers_of_dead_processes_only() -> None:
         for lab_id in (stale_id, live_id):
             subprocess.run(["ip", "netns", "add", f"{lab_id}-node"], check=True)
             made.append(f"{lab_id}-node")
-            (cgroup2_root() / f"kpr-lab-{lab_id}").mkdir()
-            made.append(cgroup2_root() / f"kpr-lab-{lab_id}")
+            for suffix in ("", "-baseline"):
+                (cgroup2_root() / f"kpr-lab-{lab_id}{suffix}").mkdir()
+                made.append(cgroup2_root() / f"kpr-lab-{lab_id}{suffix}")
 
         removed = cleanup_stale(f"{PREFIX}stale")
 
-        assert sorted(removed) == sorted([f"{stale_id}-node", str(made[1])])
+        assert sorted(removed) == sorted([f"{stale_id}-node", str(made[1]), str(made[2])])
         assert _leftovers(stale_id) == []
-        assert len(_leftovers(live_id)) == 2
+        assert len(_leftovers(live_id)) == 3
     finally:
         for thing in made:
             if isinstance(thing, str):

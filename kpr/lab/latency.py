@@ -52,17 +52,19 @@ def build_client() -> Path:
     return build_c_program("connect_latency", SOURCE.read_text())
 
 
-def measure(lab: Lab, targets: list[tuple[str, int]], count: int) -> dict:
-    """Time ``count`` TCP connects from the lab's node netns and cgroup, round robin over
-    ``targets``; returns count, ok, failures, errors (by errno name) and min/p50/p90/p99/max/
-    mean in ns (None when nothing connected)."""
+def measure(
+    lab: Lab, targets: list[tuple[str, int]], count: int, cgroup: Path | None = None
+) -> dict:
+    """Time ``count`` TCP connects from the lab's node netns and cgroup (or ``cgroup``), round
+    robin over ``targets``; returns count, ok, failures, errors (by errno name) and
+    min/p50/p90/p99/max/mean in ns (None when nothing connected)."""
     if not targets:
         raise ValueError("measure() needs at least one target")
     (address, port), *rest = targets
     argv = [str(build_client()), address, str(port), str(count)]
     for more_address, more_port in rest:
         argv += [more_address, str(more_port)]
-    done = lab.run_client(argv, timeout=max(60.0, count * 0.01))
+    done = lab.run_client(argv, timeout=max(60.0, count * 0.01), cgroup=cgroup)
     if done.returncode != 0:
         raise RuntimeError(f"connect_latency failed ({done.returncode}): {done.stderr.strip()}")
     return json.loads(done.stdout)

@@ -9,9 +9,12 @@ Layout (addresses for the default networks)::
 
 Each pod runs ``kpr.lab.podserver``. Client processes run in the node netns *and* in a fresh
 child cgroup v2 (``Lab.cgroup``), which is where socket-LB programs under test get attached;
-nothing here touches the machine's own netns or root cgroup. Interface names live inside the
-lab's namespaces, so only the netns and cgroup names need to be unique: they carry the owning
-pid and a counter, which is also what lets ``cleanup_stale`` recognise leftovers of dead runs.
+a sibling cgroup (``Lab.baseline_cgroup``) never gets a program, so clients there connect as
+on a node without socket load balancing: the baseline a benchmark can alternate with, in the
+same netns and at the same moment. Nothing here touches the machine's own netns or root
+cgroup. Interface names live inside the lab's namespaces, so only the netns and cgroup names
+need to be unique: they carry the owning pid and a counter, which is also what lets
+``cleanup_stale`` recognise leftovers of dead runs.
 """
 
 from __future__ import annotations
@@ -85,6 +88,7 @@ class Lab:
         self.node_ipv6 = self.ipv6_net[1]
         self.node_netns = f"{self.lab_id}-node"
         self.cgroup = cgroup2_root() / f"kpr-lab-{self.lab_id}"
+        self.baseline_cgroup = self.cgroup.with_name(f"{self.cgroup.name}-baseline")
         self.pods: list[Pod] = []
         self._servers: dict[str, _PodServer] = {}
         self._node_veths: dict[str, str] = {}
@@ -95,6 +99,7 @@ class Lab:
         _exit_cleanly_on_sigterm()
         try:
             self.cgroup.mkdir()
+            self.baseline_cgroup.mkdir()
             self._make_node()
             self.add_pods(pods)
         except BaseException:
@@ -117,21 +122,26 @@ class Lab:
         """
         return ["ip", "netns", "exec", self.node_netns, *argv]
 
-    def popen_client(self, argv: list[str], **kw: object) -> subprocess.Popen:
-        """Start ``argv`` in the node netns and inside ``self.cgroup``."""
-        return subprocess.Popen(self.node_command(argv), **self._client_options(kw))
+    def popen_client(
+        self, argv: list[str], cgroup: Path | None = None, **kw: object
+    ) -> subprocess.Popen:
+        """Start ``argv`` in the node netns and inside ``cgroup`` (default ``self.cgroup``)."""
+        return subprocess.Popen(self.node_command(argv), **self._client_options(kw, cgroup))
 
     def run_client(
-        self, argv: list[str], timeout: float = 60, **kw: object
+        self, argv: list[str], timeout: float = 60, cgroup: Path | None = None, **kw: object
     ) -> subprocess.CompletedProcess:
         """Run ``argv`` like ``popen_client`` and wait; output captured as text, never checked."""
         options = {"capture_output": True, "text": True, **kw}
         return subprocess.run(
-            self.node_command(argv), timeout=timeout, check=False, **self._client_options(options)
+            self.node_command(argv),
+            timeout=timeout,
+            check=False,
+            **self._client_options(options, cgroup),
         )
 
-    def _client_options(self, kw: dict) -> dict:
-        procs = os.fsencode(self.cgroup / "cgroup.procs")
+    def _client_options(self, kw: dict, cgroup: Path | None = None) -> dict:
+        procs = os.fsencode((cgroup or self.cgroup) / "cgroup.procs")
 
         def join_cgroup() -> None:
             # Runs in the forked child before exec: raw os calls only. "0" means "this process",
@@ -273,7 +283,8 @@ class Lab:
             except Exception as exc:  # keep going: one failed step must not leak the rest
                 failures.append(f"{what}: {exc}")
 
-        attempt(f"cgroup {self.cgroup}", partial(_remove_cgroup, self.cgroup))
+        for cgroup in (self.cgroup, self.baseline_cgroup):
+            attempt(f"cgroup {cgroup}", partial(_remove_cgroup, cgroup))
         for name in list(self._servers):
             attempt(f"server {name}", partial(self._stop_server, name))
         # By name prefix rather than by self.pods: also catches a netns whose set-up was cut
@@ -314,7 +325,7 @@ def cleanup_stale(prefix: str = "kprlab") -> list[str]:
         if (match := netns_pattern.match(name)) and not process_alive(int(match[1])):
             _delete_netns(name)
             removed.append(name)
-    cgroup_pattern = re.compile(rf"kpr-lab-{re.escape(prefix)}-(\d+)-\d+")
+    cgroup_pattern = re.compile(rf"kpr-lab-{re.escape(prefix)}-(\d+)-\d+(-baseline)?")
     for path in cgroup2_root().iterdir():
         match = cgroup_pattern.fullmatch(path.name)
         if match and path.is_dir() and not process_alive(int(match[1])):
