@@ -29,7 +29,6 @@ from kpr.model import (
     ServiceKey,
     ServicePort,
     Translation,
-    by_key,
 )
 from kpr.objects import SERVICE_NAME_LABEL
 
@@ -73,6 +72,9 @@ def _translate_service(
             service.health_check_node_port,
             local_ready_endpoints(service, slices, node),
         )
+    ref = service.ref
+    # Each address is served from the slices of its own IP family.
+    slices_of = {v: [s for s in slices if s.address_type == f"IPv{v}"] for v in (4, 6)}
     for index, port in enumerate(service.ports):
         field = f"spec.ports[{index}]"
         if port.protocol not in PROTOCOLS:
@@ -84,6 +86,9 @@ def _translate_service(
                 )
             )
             continue
+        # a NodePort or LoadBalancer port has many frontends: the same backends for
+        # each (family, traffic policy), selected once
+        selected: dict[tuple[int, str], tuple[Backend, ...]] = {}
         for frontend, kind, policy in frontends_of(service, port, node):
             if kind == "ExternalIP" and not external_ip_allowed(frontend.address, node):
                 if frontend.scope == SOCKET:  # one problem per address, not per scope
@@ -95,24 +100,23 @@ def _translate_service(
                         )
                     )
                 continue
-            owner = owners.setdefault(frontend, service.ref)
-            if owner != service.ref:
+            owner = owners.setdefault(frontend, ref)
+            if owner != ref:
                 translation.problems.append(
-                    Problem(
-                        f"{frontend} is also claimed by {owner}, which keeps it", service.ref, field
-                    )
+                    Problem(f"{frontend} is also claimed by {owner}, which keeps it", ref, field)
                 )
                 continue
-            # Each address is served from the slices of its own IP family.
-            family = f"IPv{frontend.address.version}"
-            family_slices = [s for s in slices if s.address_type == family]
-            backends = select_backends(port, family_slices, policy, node)
+            family_slices = slices_of[frontend.address.version]
+            key = (frontend.address.version, policy)
+            if key not in selected:
+                selected[key] = select_backends(port, family_slices, policy, node)
+            backends = selected[key]
             if len(backends) > MAX_SLOTS:
                 translation.problems.append(
                     Problem(
                         f"{frontend} has {len(backends)} backends, more than the {MAX_SLOTS}"
                         " the datapath holds; what is programmed for it is kept",
-                        service.ref,
+                        ref,
                         field,
                     )
                 )
@@ -213,9 +217,11 @@ def local_ready_endpoints(service: Service, slices: list[EndpointSlice], node: N
 def select_backends(
     port: ServicePort, slices: Iterable[EndpointSlice], traffic_policy: str, node: NodeContext
 ) -> tuple[Backend, ...]:
-    """The backends of one Service port on this node: sorted and unique."""
+    """The backends of one Service port on this node: sorted and unique (merged by ip:port)."""
     endpoints = merge_endpoints(port, slices)
-    return tuple(sorted(set(categorize_endpoints(endpoints, traffic_policy, node)), key=by_key))
+    return tuple(
+        sorted(categorize_endpoints(endpoints, traffic_policy, node), key=Backend.sort_key)
+    )
 
 
 def is_served(service: Service, node: NodeContext) -> bool:
@@ -259,14 +265,15 @@ def merge_endpoints(port: ServicePort, slices: Iterable[EndpointSlice]) -> dict[
     merged: dict[Backend, Endpoint] = {}
     for endpoint_slice in slices:
         for slice_port in endpoint_slice.ports:
-            if (slice_port.name, slice_port.protocol) != (port.name, port.protocol):
+            if slice_port.name != port.name or slice_port.protocol != port.protocol:
                 continue
-            if not slice_port.port:  # unset or 0: no port to send to
+            number = slice_port.port
+            if not number:  # unset or 0: no port to send to
                 continue
             for endpoint in endpoint_slice.endpoints:
-                backend = Backend(endpoint.addresses[0], slice_port.port)
-                known = merged.get(backend)
-                if known is None or (known.terminating and not endpoint.terminating):
+                backend = Backend(endpoint.addresses[0], number)
+                known = merged.setdefault(backend, endpoint)
+                if known.terminating and not endpoint.terminating:
                     merged[backend] = endpoint
     return merged
 
@@ -282,29 +289,28 @@ def categorize_endpoints(
 
 def cluster_endpoints(endpoints: Mapping[Backend, Endpoint], node: NodeContext) -> list[Backend]:
     """Ready endpoints, narrowed by topology hints; none ready → serving+terminating ones."""
+    ready = [backend for backend, endpoint in endpoints.items() if endpoint.ready]
+    if not ready:
+        # Graceful termination: topology is ignored, since no endpoint anywhere is ready.
+        return [
+            backend
+            for backend, endpoint in endpoints.items()
+            if endpoint.serving and endpoint.terminating
+        ]
     mode = topology_mode(endpoints.values(), node)
-    ready = [
-        backend
-        for backend, endpoint in endpoints.items()
-        if endpoint.ready and available_for_topology(endpoint, mode, node)
-    ]
-    if ready:
+    if mode is None:
         return ready
-    # Graceful termination: topology is ignored, since no endpoint anywhere is ready.
-    return [
-        backend
-        for backend, endpoint in endpoints.items()
-        if endpoint.serving and endpoint.terminating
-    ]
+    # not empty: a mode is chosen only when a ready endpoint's hint names this node or zone
+    return [b for b in ready if available_for_topology(endpoints[b], mode, node)]
 
 
 def local_endpoints(endpoints: Mapping[Backend, Endpoint], node: NodeContext) -> list[Backend]:
     """Ready endpoints on this node; none → serving+terminating ones on this node."""
-    local = {b: e for b, e in endpoints.items() if is_local(e, node)}
-    ready = [backend for backend, endpoint in local.items() if endpoint.ready]
+    local = [(b, e) for b, e in endpoints.items() if is_local(e, node)]
+    ready = [backend for backend, endpoint in local if endpoint.ready]
     if ready:
         return ready
-    return [b for b, e in local.items() if e.serving and e.terminating]
+    return [b for b, e in local if e.serving and e.terminating]
 
 
 def is_local(endpoint: Endpoint, node: NodeContext) -> bool:
@@ -319,8 +325,8 @@ def topology_mode(endpoints: Iterable[Endpoint], node: NodeContext) -> str | Non
     nowhere, or unevenly while the hints are being rolled out.
     """
     ready = [endpoint for endpoint in endpoints if endpoint.ready]
-    if not ready:
-        return None
+    if not ready or not (ready[0].hints_for_nodes or ready[0].hints_for_zones):
+        return None  # (the common case: no hints, and every endpoint must have them)
     if _hints_apply([e.hints_for_nodes for e in ready], node.name):
         return "Node"
     if _hints_apply([e.hints_for_zones for e in ready], node.zone):

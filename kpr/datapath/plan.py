@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from kpr.datapath import abi
 from kpr.model import Backend, Frontend, FrontendState, IPNetwork, Translation, by_key
@@ -67,8 +68,7 @@ class ProgrammedState:
         return self
 
 
-@dataclass(frozen=True)
-class Master:
+class Master(NamedTuple):  # (a frozen dataclass builds slower, 10,000s of times)
     frontend: Frontend
     count: int
     service_id: int
@@ -79,7 +79,8 @@ class Master:
 @dataclass
 class Plan:
     backend_writes: dict[int, Backend] = field(default_factory=dict)
-    slot_writes: dict[tuple[Frontend, int], int] = field(default_factory=dict)
+    # frontend -> {slot: backend id}: a key per frontend, not per slot, is cheaper to build
+    slot_writes: dict[Frontend, dict[int, int]] = field(default_factory=dict)
     revnat_writes: dict[int, Frontend] = field(default_factory=dict)
     range_writes: dict[SourceRange, Frontend] = field(default_factory=dict)
     master_writes: list[Master] = field(default_factory=list)
@@ -98,7 +99,9 @@ class Plan:
 
     def writes(self) -> int:
         """Map operations this plan makes."""
-        return sum(len(v) for k, v in vars(self).items() if k not in ("old_counts", "after"))
+        slots = sum(len(s) for s in self.slot_writes.values())
+        skip = ("slot_writes", "old_counts", "after")
+        return slots + sum(len(v) for k, v in vars(self).items() if k not in skip)
 
 
 def assign_slots(current: list[int], wanted: list[int]) -> list[int]:
@@ -140,49 +143,52 @@ def plan(
             f for f in touched if f in programmed.services and f not in desired and f not in held
         ]
 
-    next_backend_id = programmed.max_backend_id
     next_service_id = programmed.max_service_id
+    # new backends get the ids after the highest in use, in order of first use
     new_backends: dict[Backend, int] = {}
-    refs = Counter[int]()  # change in the number of slots naming each backend
+    first_new_id = programmed.max_backend_id + 1
+    # slots that will name each backend, and slots that did: counted once at the end
+    added: list[int] = []
+    removed: list[int] = []
 
     known = programmed.backend_index
     for frontend in sorted(wanted_frontends, key=by_key):
         state = desired[frontend]
         wanted = []
         for backend in state.backends:
-            bid = known.get(backend) or new_backends.get(backend)
+            bid = known.get(backend)
             if bid is None:
-                next_backend_id += 1
-                bid = new_backends[backend] = next_backend_id
-                out.backend_writes[bid] = backend
+                bid = new_backends.setdefault(backend, first_new_id + len(new_backends))
             wanted.append(bid)
         current = programmed.services.get(frontend)
+        flags = flags_of(state)
         if current is None:  # the common case of a first sync: every slot is new
             next_service_id += 1
-            refs.update(wanted)
-            slot_keys = [(frontend, i) for i in range(1, len(wanted) + 1)]
-            out.slot_writes.update(zip(slot_keys, wanted, strict=True))
+            added.extend(wanted)
+            out.slot_writes[frontend] = dict(enumerate(wanted, start=1))
             out.revnat_writes[next_service_id] = frontend
             for network in state.source_ranges:
                 out.range_writes[(next_service_id, network)] = frontend
             out.master_writes.append(
-                Master(
-                    frontend, len(wanted), next_service_id, state.affinity_timeout, flags_of(state)
-                )
+                Master(frontend, len(wanted), next_service_id, state.affinity_timeout, flags)
             )
             out.old_counts[frontend] = 0
             out.after[frontend] = ProgrammedService(
-                next_service_id, wanted, state.affinity_timeout, flags_of(state)
+                next_service_id, wanted, state.affinity_timeout, flags
             )
             continue
         service_id = current.service_id
         old_slots = current.slots
         slots = assign_slots(old_slots, wanted)
-        refs.update(slots)
-        refs.subtract(old_slots)
-        for i, bid in enumerate(slots, start=1):
-            if i > len(old_slots) or old_slots[i - 1] != bid:
-                out.slot_writes[(frontend, i)] = bid
+        added.extend(slots)
+        removed.extend(old_slots)
+        changed = {
+            i: bid
+            for i, bid in enumerate(slots, start=1)
+            if i > len(old_slots) or old_slots[i - 1] != bid
+        }
+        if changed:
+            out.slot_writes[frontend] = changed
         if programmed.revnat.get(service_id) != frontend:
             out.revnat_writes[service_id] = frontend
         old_ranges = programmed.source_ranges.get(service_id, frozenset())
@@ -193,7 +199,6 @@ def plan(
             (service_id, n) for n in old_ranges if n not in state.source_ranges
         )
         out.old_counts[frontend] = len(old_slots)
-        flags = flags_of(state)
         if (len(old_slots), current.affinity_timeout, current.flags) != (
             len(slots),
             state.affinity_timeout,
@@ -212,16 +217,21 @@ def plan(
         current = programmed.services[frontend]
         out.master_deletes.append(frontend)
         out.slot_deletes.extend((frontend, i) for i in range(1, len(current.slots) + 1))
-        refs.subtract(current.slots)
+        removed.extend(current.slots)
         if current.service_id in programmed.revnat:
             out.revnat_deletes[current.service_id] = programmed.revnat[current.service_id]
         out.range_deletes.update(
             (current.service_id, n) for n in programmed.source_ranges.get(current.service_id, ())
         )
 
+    out.backend_writes = {bid: backend for backend, bid in new_backends.items()}
+    refs = Counter(added)  # change in the number of slots naming each backend
+    refs.subtract(Counter(removed))
     if touched is None:
         out.slot_deletes.extend(
-            key for key in sorted(programmed.stray_slots) if key not in out.slot_writes
+            (frontend, slot)
+            for frontend, slot in sorted(programmed.stray_slots)
+            if slot not in out.slot_writes.get(frontend, ())
         )
         live = {s.service_id for f, s in programmed.services.items() if f not in stale}
         live.update(out.revnat_writes)
