@@ -88,9 +88,46 @@ static __always_inline void remember_sticky(struct bpf_sock_addr *ctx,
 	kpr_affinity.update(&akey, &value);
 }
 
-/* Connected sockets (TCP, connected UDP) remember their service on the socket:
- * cheaper than a shared map entry, and gone when the socket closes. `words`
- * is 1 for IPv4, 4 for IPv6. */
+/* Compiler barrier: the ring's cookie is written after its slot is filled. */
+#define kpr_barrier() asm volatile("" ::: "memory")
+
+/* `words` is 1 for IPv4, 4 for IPv6. */
+static __always_inline void fill_peer(struct kpr_sock_peer *peer, const __u32 *service,
+				      __u16 service_port, const __u32 *backend,
+				      __u16 backend_port, int words)
+{
+	__u32 *service_out = (__u32 *)peer->service_address;
+	__u32 *backend_out = (__u32 *)peer->backend_address;
+#pragma unroll
+	for (int i = 0; i < 4; i++) {
+		service_out[i] = i < words ? service[i] : 0;
+		backend_out[i] = i < words ? backend[i] : 0;
+	}
+	peer->service_port = service_port;
+	peer->backend_port = backend_port;
+}
+
+/* Connected sockets (TCP, connected UDP): into the ring slot of their cookie
+ * (struct kpr_sock_peer_slot). The cookie goes to 0 while the slot is
+ * rewritten, so a reader never takes another socket's half-written entry. */
+static __always_inline void remember_connected(struct bpf_sock_addr *ctx, const __u32 *service,
+					       __u16 service_port, const __u32 *backend,
+					       __u16 backend_port, int words)
+{
+	__u64 cookie = bpf_get_socket_cookie(ctx);
+	__u32 index = (__u32)(cookie % KPR_SOCK_PEERS_MAX);
+	struct kpr_sock_peer_slot *slot = kpr_sock_peers.lookup(&index);
+
+	if (!slot)
+		return;
+	slot->cookie = 0;
+	kpr_barrier();
+	fill_peer(&slot->peer, service, service_port, backend, backend_port, words);
+	kpr_barrier();
+	slot->cookie = cookie;
+}
+
+/* Socket local storage, for unconnected UDP (see remember_on_socket). */
 static __always_inline void remember_peer(struct bpf_sock_addr *ctx, const __u32 *service,
 					  __u16 service_port, const __u32 *backend,
 					  __u16 backend_port, int words)
@@ -105,15 +142,7 @@ static __always_inline void remember_peer(struct bpf_sock_addr *ctx, const __u32
 		stat_inc(KPR_STAT_REVNAT_FULL);
 		return;
 	}
-	__u32 *service_out = (__u32 *)peer->service_address;
-	__u32 *backend_out = (__u32 *)peer->backend_address;
-#pragma unroll
-	for (int i = 0; i < 4; i++) {
-		service_out[i] = i < words ? service[i] : 0;
-		backend_out[i] = i < words ? backend[i] : 0;
-	}
-	peer->service_port = service_port;
-	peer->backend_port = backend_port;
+	fill_peer(peer, service, service_port, backend, backend_port, words);
 }
 
 /* Unconnected UDP: the socket's (service, backend) pair is kept on the socket too,
@@ -146,20 +175,15 @@ static __always_inline bool remember_on_socket(struct bpf_sock_addr *ctx, const 
 	return true;
 }
 
-/* If this socket was given `address`:`port` as a backend, put its service there. */
-static __always_inline bool recall_peer(struct bpf_sock_addr *ctx, __u32 *address, __u32 *port,
-					int words)
+/* If `peer` says `address`:`port` is its backend, put its service there. */
+static __always_inline bool put_service(const struct kpr_sock_peer *peer, __u32 *address,
+					__u32 *port, int words)
 {
-	struct bpf_sock *sk = ctx->sk;
-	struct kpr_sock_peer *peer;
+	const __u32 *backend = (const __u32 *)peer->backend_address;
+	const __u32 *service = (const __u32 *)peer->service_address;
 
-	if (!sk)
+	if (peer->backend_port != bpf_ntohs((__u16)*port))
 		return false;
-	peer = kpr_sock_peer.sk_storage_get(sk, 0, 0);
-	if (!peer || peer->backend_port != bpf_ntohs((__u16)*port))
-		return false;
-	__u32 *backend = (__u32 *)peer->backend_address;
-	__u32 *service = (__u32 *)peer->service_address;
 #pragma unroll
 	for (int i = 0; i < 4; i++)
 		if (i < words && backend[i] != address[i])
@@ -171,6 +195,30 @@ static __always_inline bool recall_peer(struct bpf_sock_addr *ctx, __u32 *addres
 	*port = bpf_htons(peer->service_port);
 	stat_inc(KPR_STAT_REVERSED);
 	return true;
+}
+
+/* The service of this socket's backend `address`:`port`, from the ring or, for
+ * unconnected UDP (and sockets connected by an older kpr), the socket itself. */
+static __always_inline bool recall_peer(struct bpf_sock_addr *ctx, __u32 *address, __u32 *port,
+					int words)
+{
+	__u64 cookie = bpf_get_socket_cookie(ctx);
+	__u32 index = (__u32)(cookie % KPR_SOCK_PEERS_MAX);
+	struct kpr_sock_peer_slot *slot = kpr_sock_peers.lookup(&index);
+	struct kpr_sock_peer *on_socket;
+	struct kpr_sock_peer copy;
+
+	if (slot && slot->cookie == cookie) {
+		kpr_barrier();
+		__builtin_memcpy(&copy, &slot->peer, sizeof(copy));
+		kpr_barrier();
+		if (slot->cookie == cookie && put_service(&copy, address, port, words))
+			return true;
+	}
+	if (!ctx->sk)
+		return false;
+	on_socket = kpr_sock_peer.sk_storage_get(ctx->sk, 0, 0);
+	return on_socket && put_service(on_socket, address, port, words);
 }
 
 /* The one place an IPv4 service address becomes a backend. */
@@ -217,8 +265,8 @@ static __always_inline int pick_backend4(struct bpf_sock_addr *ctx, __be32 *addr
 		return KPR_PICK_MAP_ERROR;
 
 	if (!by_cookie) {
-		remember_peer(ctx, (__u32 *)key.address, key.port, (__u32 *)backend->address,
-			      backend->port, 1);
+		remember_connected(ctx, (__u32 *)key.address, key.port, (__u32 *)backend->address,
+				   backend->port, 1);
 	} else if (!remember_on_socket(ctx, (__u32 *)key.address, key.port,
 				       (__u32 *)backend->address, backend->port, 1)) {
 		/* unconnected UDP may send to several services: one entry per backend */
@@ -297,8 +345,8 @@ static __always_inline int pick_backend6(struct bpf_sock_addr *ctx, __u32 addres
 		return KPR_PICK_MAP_ERROR;
 
 	if (!by_cookie) {
-		remember_peer(ctx, (__u32 *)key.address, key.port, (__u32 *)backend->address,
-			      backend->port, 4);
+		remember_connected(ctx, (__u32 *)key.address, key.port, (__u32 *)backend->address,
+				   backend->port, 4);
 	} else if (!remember_on_socket(ctx, (__u32 *)key.address, key.port,
 				       (__u32 *)backend->address, backend->port, 4)) {
 		struct kpr_sock_revnat6_key rkey = { .cookie = cookie, .port = backend->port };

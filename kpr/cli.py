@@ -79,8 +79,8 @@ def run(
         str | None,
         typer.Option(
             help="Map capacities, e.g. services=1048576,backends=524288 (keys: services, "
-            "backends, revnat, sock_revnat, affinity, ct, source_ranges). Fixed once the "
-            "maps are pinned."
+            "backends, revnat, sock_revnat, sock_peers, affinity, ct, source_ranges). Fixed "
+            "once the maps are pinned."
         ),
     ] = None,
     devices: Annotated[

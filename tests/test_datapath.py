@@ -12,6 +12,7 @@ from collections import Counter
 import pytest
 
 from kpr.agent import Agent, AgentConfig
+from kpr.datapath.abi import MapSizes
 from kpr.datapath.maps import BpfMaps
 from kpr.lab.netns import Lab
 from kpr.model import NodeContext
@@ -26,11 +27,16 @@ POD_PORTS = [("http", 8080, "TCP"), ("dns", 8080, "UDP")]
 class Cluster:
     """A manifest directory, and an in-process agent syncing it into the maps."""
 
-    def __init__(self, lab: Lab, directory, pin_dir) -> None:
+    def __init__(self, lab: Lab, directory, pin_dir, sizes: MapSizes | None = None) -> None:
         self.lab = lab
         self.directory = directory
         self.source = ManifestSource(directory)
-        config = AgentConfig(pin_dir=pin_dir, cgroup=lab.cgroup, node=NodeContext("node-1"))
+        config = AgentConfig(
+            pin_dir=pin_dir,
+            cgroup=lab.cgroup,
+            node=NodeContext("node-1"),
+            sizes=sizes or MapSizes(),
+        )
         self.agent = Agent(self.source, config)
         self.agent.start()
 
@@ -60,14 +66,18 @@ class Cluster:
         )
 
 
+def _close(cluster: Cluster) -> None:
+    from kpr.datapath import loader
+
+    loader.detach(cluster.lab.cgroup)
+    cluster.agent.maps.close()
+
+
 @pytest.fixture
 def cluster(lab, tmp_path, pin_dir):
     cluster = Cluster(lab, tmp_path, pin_dir)
     yield cluster
-    from kpr.datapath import loader
-
-    loader.detach(lab.cgroup)
-    cluster.agent.maps.close()
+    _close(cluster)
 
 
 def pod_names(lab: Lab) -> set[str]:
@@ -87,6 +97,37 @@ def test_getpeername_shows_the_service_address_not_the_backend(cluster, vip, sho
     cluster.echo()
     results = cluster.probe("tcp", vip, 80, "--count", 5)
     assert {r["peer"] for r in results} == {shown}
+
+
+PEERS_OF_OPEN_SOCKETS = """
+import json, socket, sys
+sockets = [socket.create_connection((vip, 80), timeout=5) for vip in sys.argv[1:]]
+print(json.dumps([list(s.getpeername()) for s in sockets]))
+"""
+
+
+@pytest.mark.parametrize("ring", [1, 262144])
+def test_getpeername_shows_each_open_sockets_own_service_or_its_backend(
+    lab, tmp_path, pin_dir, ring
+):
+    # Connected sockets keep their service address in a ring of `sock_peers` slots. With one
+    # slot the second connect takes it: the first socket must then show its real peer (its
+    # backend), never the other socket's service, though both services have that backend.
+    cluster = Cluster(lab, tmp_path, pin_dir, MapSizes(sock_peers=ring))
+    try:
+        other = "10.96.0.11"
+        cluster.echo(pods=[0])
+        cluster.apply(
+            "other.yaml",
+            kube.service("other", [other], PORTS),
+            kube.endpoint_slice("other", [str(lab.pods[0].ipv4)], POD_PORTS),
+        )
+        out = lab.run_client([sys.executable, "-c", PEERS_OF_OPEN_SOCKETS, VIP4, other])
+        assert out.returncode == 0, out.stderr
+        first = [VIP4, 80] if ring > 1 else [str(lab.pods[0].ipv4), 8080]
+        assert json.loads(out.stdout) == [first, [other, 80]]
+    finally:
+        _close(cluster)
 
 
 @pytest.mark.parametrize("vip,shown", [(VIP4, f"{VIP4}:53"), (VIP6, f"[{VIP6}]:53")])

@@ -105,6 +105,20 @@ class SockRevNat6Key(ct.Structure):
     ]
 
 
+class SockPeer(ct.Structure):
+    _fields_ = [
+        ("service_address", ct.c_uint8 * 16),
+        ("backend_address", ct.c_uint8 * 16),
+        ("service_port", ct.c_uint16),
+        ("backend_port", ct.c_uint16),
+        ("pad", ct.c_uint32),
+    ]
+
+
+class SockPeerSlot(ct.Structure):
+    _fields_ = [("cookie", ct.c_uint64), ("peer", SockPeer)]
+
+
 class AffinityKey(ct.Structure):
     _fields_ = [("netns_cookie", ct.c_uint64), ("service_id", ct.c_uint32), ("pad", ct.c_uint32)]
 
@@ -201,6 +215,7 @@ class MapSpec:
 
 
 BPF_MAP_TYPE_HASH = 1
+BPF_MAP_TYPE_ARRAY = 2
 BPF_MAP_TYPE_PERCPU_ARRAY = 6
 BPF_MAP_TYPE_LRU_HASH = 9
 BPF_MAP_TYPE_LPM_TRIE = 11
@@ -233,6 +248,13 @@ MAPS: dict[str, MapSpec] = {
             SockRevNat6Key,
             RevNat6,
             "KPR_SOCK_REVNAT_MAX",
+        ),
+        _spec(
+            "kpr_sock_peers",
+            BPF_MAP_TYPE_ARRAY,
+            ct.c_uint32,
+            SockPeerSlot,
+            "KPR_SOCK_PEERS_MAX",
         ),
         _spec("kpr_affinity", BPF_MAP_TYPE_LRU_HASH, AffinityKey, Affinity, "KPR_AFFINITY_MAX"),
         _spec("kpr_stats", BPF_MAP_TYPE_PERCPU_ARRAY, ct.c_uint32, ct.c_uint64, STAT_MAX),
@@ -272,6 +294,9 @@ class MapSizes:
     backends: int = 524288  # 30,000 services x 10 distinct endpoints fit
     revnat: int = 65536
     sock_revnat: int = 65536  # LRU: preallocated, so kept modest
+    # ring of connected sockets' service addresses (48 bytes a slot): getpeername shows the
+    # service until this many newer connects through Services reuse the slot
+    sock_peers: int = 262144
     affinity: int = 65536  # LRU: (client netns, service) pairs with ClientIP affinity
     ct: int = 65536  # LRU, each of kpr_ct and kpr_nat: external flows through TC
     source_ranges: int = 16384  # loadBalancerSourceRanges, all Services together
@@ -299,6 +324,7 @@ class MapSizes:
             "KPR_BACKEND_MAX": self.backends,
             "KPR_REVNAT_MAX": self.revnat,
             "KPR_SOCK_REVNAT_MAX": self.sock_revnat,
+            "KPR_SOCK_PEERS_MAX": self.sock_peers,
             "KPR_AFFINITY_MAX": self.affinity,
             "KPR_CT_MAX": self.ct,
             "KPR_SOURCE_RANGE_MAX": self.source_ranges,
@@ -310,6 +336,7 @@ class MapSizes:
             f"-DKPR_BACKEND_MAX={self.backends}",
             f"-DKPR_REVNAT_MAX={self.revnat}",
             f"-DKPR_SOCK_REVNAT_MAX={self.sock_revnat}",
+            f"-DKPR_SOCK_PEERS_MAX={self.sock_peers}",
             f"-DKPR_AFFINITY_MAX={self.affinity}",
             f"-DKPR_CT_MAX={self.ct}",
             f"-DKPR_SOURCE_RANGE_MAX={self.source_ranges}",
