@@ -15,12 +15,12 @@ import struct
 from collections import defaultdict
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from ipaddress import ip_address, ip_network
+from ipaddress import IPv4Address, IPv6Address, ip_address, ip_network
 from pathlib import Path
 from typing import NamedTuple, Protocol
 
 from kpr.datapath import abi, bpfsys
-from kpr.datapath.plan import Plan, ProgrammedService, ProgrammedState, SourceRange
+from kpr.datapath.plan import Master, Plan, ProgrammedService, ProgrammedState, SourceRange
 from kpr.model import MAX_SLOTS, Backend, Frontend, by_key
 
 log = logging.getLogger(__name__)
@@ -55,10 +55,8 @@ class WriteResult:
 class Maps(Protocol):
     def read(self) -> ProgrammedState: ...
     def write_backends(self, entries: dict[int, Backend]) -> WriteResult: ...
-    def write_services(self, entries: dict[ServiceKey, ServiceEntry]) -> WriteResult: ...
-    def write_slots(self, entries: Slots) -> WriteResult:
-        """Slot entries (a backend id, nothing else); failed as ServiceKeys."""
-
+    def write_slots(self, entries: Slots) -> WriteResult: ...
+    def write_masters(self, entries: list[Master]) -> WriteResult: ...
     def delete_services(self, keys: list[ServiceKey]) -> None: ...
     def write_revnat(self, entries: dict[int, Frontend]) -> WriteResult: ...
     def delete_revnat(self, entries: dict[int, Frontend]) -> None: ...
@@ -115,8 +113,8 @@ def execute(maps: Maps, steps: Plan) -> WriteResult:
     failed |= {steps.revnat_writes[sid] for sid in failed_ids}
     ranges = {key: f for key, f in steps.range_writes.items() if f not in failed}
     failed |= {steps.range_writes[key] for key in merge(maps.write_source_ranges(ranges))}
-    masters = {(m.frontend, 0): _master(m) for m in steps.master_writes if m.frontend not in failed}
-    failed |= {key[0] for key in merge(maps.write_services(masters))}
+    masters = [m for m in steps.master_writes if m.frontend not in failed]
+    failed |= {key[0] for key in merge(maps.write_masters(masters))}
     maps.delete_services([(f, 0) for f in steps.master_deletes])
     maps.delete_source_ranges(steps.range_deletes)
     maps.delete_services([key for key in steps.slot_deletes if key[0] not in failed])
@@ -130,10 +128,6 @@ def execute(maps: Maps, steps: Plan) -> WriteResult:
     maps.delete_revnat(steps.revnat_deletes)
     maps.delete_backends(steps.backend_deletes)
     return result
-
-
-def _master(m) -> ServiceEntry:
-    return ServiceEntry(0, m.count, m.service_id, m.affinity_timeout, m.flags)
 
 
 def _one_by_one(maps: Maps, steps: Plan, failed: set[Frontend]) -> set[Frontend]:
@@ -159,8 +153,7 @@ def _one_by_one(maps: Maps, steps: Plan, failed: set[Frontend]) -> set[Frontend]
             ranges = {key: f for key, f in steps.range_writes.items() if f == frontend}
             ok = not maps.write_source_ranges(ranges).failed
         if ok and frontend in masters:
-            master = _master(masters[frontend])
-            ok = not maps.write_services({(frontend, 0): master}).failed
+            ok = not maps.write_masters([masters[frontend]]).failed
         if ok:
             trim = [key for key in steps.slot_deletes if key[0] == frontend]
             maps.delete_services(trim)
@@ -203,12 +196,19 @@ class MemoryMaps:
     def write_backends(self, entries: dict[int, Backend]) -> WriteResult:
         return self._write(self.backends, entries)
 
-    def write_services(self, entries: dict[ServiceKey, ServiceEntry]) -> WriteResult:
-        return self._write(self.services, entries)
-
     def write_slots(self, entries: Slots) -> WriteResult:
-        return self.write_services(
-            {(f, slot): ServiceEntry(bid) for f, s in entries.items() for slot, bid in s.items()}
+        return self._write(
+            self.services,
+            {(f, slot): ServiceEntry(bid) for f, s in entries.items() for slot, bid in s.items()},
+        )
+
+    def write_masters(self, entries: list[Master]) -> WriteResult:
+        return self._write(
+            self.services,
+            {
+                (m.frontend, 0): ServiceEntry(0, m.count, m.service_id, m.affinity_timeout, m.flags)
+                for m in entries
+            },
         )
 
     def write_revnat(self, entries: dict[int, Frontend]) -> WriteResult:
@@ -285,7 +285,6 @@ _SERVICE_KEYS = {
     4: ("kpr_services4", abi.SERVICE4_KEY.pack),
     6: ("kpr_services6", abi.SERVICE6_KEY.pack),
 }
-_ADDRESSES = {4: abi.BACKEND4.pack, 6: abi.BACKEND6.pack}
 # A service key ends with the slot and padding: a frontend's keys share everything
 # before it, packed once, and each slot's tail is packed once, here.
 _SLOT_TAIL = struct.Struct("<Hxx")
@@ -318,12 +317,24 @@ def _pack_slots(entries: Slots) -> dict[str, _Packed]:
     return out
 
 
-def _pack_services(entries: Iterable[tuple[ServiceKey, ServiceEntry | None]]) -> dict[str, _Packed]:
-    """Any service entries (None: keys only, to delete)."""
+def _pack_masters(entries: list[Master]) -> dict[str, _Packed]:
     out: dict[str, _Packed] = defaultdict(_Packed)
     pack_value = abi.SERVICE_VALUE.pack
+    for m in entries:
+        name, prefix = _key_prefix(m.frontend)
+        batch = out[name]
+        batch.keys += prefix
+        batch.keys += _SLOT_TAILS[0]
+        batch.values += pack_value(0, m.count, m.service_id, m.flags, m.affinity_timeout)
+        batch.labels.append((m.frontend, 0))
+    return out
+
+
+def _pack_service_keys(keys: Iterable[ServiceKey]) -> dict[str, _Packed]:
+    """Service keys, to delete."""
+    out: dict[str, _Packed] = defaultdict(_Packed)
     prefixes: dict[Frontend, tuple[str, bytes]] = {}  # one frontend has many slots
-    for key, entry in entries:
+    for key in keys:
         frontend, slot = key
         prefix = prefixes.get(frontend)
         if prefix is None:
@@ -331,8 +342,6 @@ def _pack_services(entries: Iterable[tuple[ServiceKey, ServiceEntry | None]]) ->
         batch = out[prefix[0]]
         batch.keys += prefix[1]
         batch.keys += _SLOT_TAIL.pack(slot)  # a stray slot read back may be above MAX_SLOTS
-        if entry is not None:
-            batch.values += pack_value(entry[0], entry[1], entry[2], entry[4], entry[3])
         batch.labels.append(key)
     return out
 
@@ -341,13 +350,18 @@ def _pack_addresses(
     base: str, entries: dict[int, Backend] | dict[int, Frontend]
 ) -> dict[str, _Packed]:
     out: dict[str, _Packed] = defaultdict(_Packed)
-    names = {4: f"kpr_{base}4", 6: f"kpr_{base}6"}
+    # by the address's class, and int(): .version and .packed cost a Python call more each
+    layouts = {
+        IPv4Address: (f"kpr_{base}4", 4, abi.BACKEND4.pack),
+        IPv6Address: (f"kpr_{base}6", 16, abi.BACKEND6.pack),
+    }
     pack_id = abi.ID.pack
     for key, target in entries.items():
-        version = target.address.version
-        batch = out[names[version]]
+        address = target.address
+        name, size, pack = layouts[type(address)]
+        batch = out[name]
         batch.keys += pack_id(key)
-        batch.values += _ADDRESSES[version](target.address.packed, target.port)
+        batch.values += pack(int(address).to_bytes(size, "big"), target.port)
         batch.labels.append(key)
     return out
 
@@ -479,17 +493,17 @@ class BpfMaps:
     def write_backends(self, entries: dict[int, Backend]) -> WriteResult:
         return self._write(_pack_addresses("backends", entries))
 
-    def write_services(self, entries: dict[ServiceKey, ServiceEntry]) -> WriteResult:
-        return self._write(_pack_services(entries.items()))
-
     def write_slots(self, entries: Slots) -> WriteResult:
         return self._write(_pack_slots(entries))
+
+    def write_masters(self, entries: list[Master]) -> WriteResult:
+        return self._write(_pack_masters(entries))
 
     def write_revnat(self, entries: dict[int, Frontend]) -> WriteResult:
         return self._write(_pack_addresses("revnat", entries))
 
     def delete_services(self, keys: list[ServiceKey]) -> None:
-        self._delete(_pack_services((key, None) for key in keys))
+        self._delete(_pack_service_keys(keys))
 
     def delete_revnat(self, entries: dict[int, Frontend]) -> None:
         self._delete(_pack_addresses("revnat", entries))

@@ -93,6 +93,8 @@ class Plan:
     old_counts: dict[Frontend, int] = field(default_factory=dict)
     # each planned frontend as the maps hold it once the plan is written (not a write)
     after: dict[Frontend, ProgrammedService] = field(default_factory=dict)
+    # the new backends' ids, for the backend index (not a write: backend_writes are)
+    backend_ids: dict[Backend, int] = field(default_factory=dict)
 
     def is_empty(self) -> bool:
         return self.writes() == 0
@@ -100,7 +102,7 @@ class Plan:
     def writes(self) -> int:
         """Map operations this plan makes."""
         slots = sum(len(s) for s in self.slot_writes.values())
-        skip = ("slot_writes", "old_counts", "after")
+        skip = ("slot_writes", "old_counts", "after", "backend_ids")
         return slots + sum(len(v) for k, v in vars(self).items() if k not in skip)
 
 
@@ -154,12 +156,10 @@ def plan(
     known = programmed.backend_index
     for frontend in sorted(wanted_frontends, key=by_key):
         state = desired[frontend]
-        wanted = []
-        for backend in state.backends:
-            bid = known.get(backend)
-            if bid is None:
-                bid = new_backends.setdefault(backend, first_new_id + len(new_backends))
-            wanted.append(bid)
+        wanted = [  # (ids start at 1)
+            known.get(b) or new_backends.setdefault(b, first_new_id + len(new_backends))
+            for b in state.backends
+        ]
         current = programmed.services.get(frontend)
         flags = flags_of(state)
         if current is None:  # the common case of a first sync: every slot is new
@@ -224,6 +224,7 @@ def plan(
             (current.service_id, n) for n in programmed.source_ranges.get(current.service_id, ())
         )
 
+    out.backend_ids = new_backends
     out.backend_writes = {bid: backend for backend, bid in new_backends.items()}
     refs = Counter(added)  # change in the number of slots naming each backend
     refs.subtract(Counter(removed))
@@ -258,14 +259,18 @@ def plan(
 def apply_plan(programmed: ProgrammedState, steps: Plan) -> None:
     """Update the in-memory picture of the maps as if all of `steps` were written."""
     programmed.backends.update(steps.backend_writes)
-    programmed.backend_index.update((b, bid) for bid, b in steps.backend_writes.items())
+    programmed.backend_index.update(steps.backend_ids)  # (a dict keeps the keys' hashes)
     programmed.max_backend_id = max(programmed.max_backend_id, *steps.backend_writes, 0)
+    added: list[int] = []
+    removed: list[int] = []
     for frontend, new in steps.after.items():
         current = programmed.services.get(frontend)
         if current:
-            programmed.refs.subtract(current.slots)
-        programmed.services[frontend] = new
-        programmed.refs.update(new.slots)
+            removed.extend(current.slots)
+        added.extend(new.slots)
+    programmed.services.update(steps.after)
+    programmed.refs.update(added)
+    programmed.refs.subtract(Counter(removed))
     programmed.revnat.update(steps.revnat_writes)
     programmed.max_service_id = max(programmed.max_service_id, *steps.revnat_writes, 0)
     for frontend in steps.master_deletes:
