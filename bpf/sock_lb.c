@@ -221,6 +221,18 @@ static __always_inline bool recall_peer(struct bpf_sock_addr *ctx, __u32 *addres
 	return on_socket && put_service(on_socket, address, port, words);
 }
 
+/* The backend id of `slot` from the frontend's slot block; 0: read the slot entry. */
+static __always_inline __u32 block_backend(const struct kpr_service *master, __u16 slot)
+{
+	__u32 service_id = master->service_id;
+	struct kpr_slot_block *block;
+
+	if (master->count > KPR_BLOCK_SLOTS)
+		return 0;
+	block = kpr_slot_blocks.lookup(&service_id);
+	return block ? block->backend_ids[(slot - 1) & (KPR_BLOCK_SLOTS - 1)] : 0;
+}
+
 /* The one place an IPv4 service address becomes a backend. */
 static __always_inline int pick_backend4(struct bpf_sock_addr *ctx, __be32 *address,
 					 __u32 *port, bool by_cookie)
@@ -251,15 +263,20 @@ static __always_inline int pick_backend4(struct bpf_sock_addr *ctx, __be32 *addr
 			key.slot = pick_slot(master->count, cookie, by_cookie);
 			slot = kpr_services4.lookup(&key);
 		}
-		if (slot)
-			remember_sticky(ctx, master, key.slot, slot->backend_id, now);
+		if (!slot)
+			return KPR_PICK_MAP_ERROR;
+		remember_sticky(ctx, master, key.slot, slot->backend_id, now);
+		backend_id = slot->backend_id;
 	} else {
 		key.slot = pick_slot(master->count, cookie, by_cookie);
-		slot = kpr_services4.lookup(&key);
+		backend_id = block_backend(master, key.slot);
+		if (!backend_id) {
+			slot = kpr_services4.lookup(&key);
+			if (!slot)
+				return KPR_PICK_MAP_ERROR;
+			backend_id = slot->backend_id;
+		}
 	}
-	if (!slot)
-		return KPR_PICK_MAP_ERROR;
-	backend_id = slot->backend_id;
 	backend = kpr_backends4.lookup(&backend_id);
 	if (!backend)
 		return KPR_PICK_MAP_ERROR;
@@ -331,15 +348,20 @@ static __always_inline int pick_backend6(struct bpf_sock_addr *ctx, __u32 addres
 			key.slot = pick_slot(master->count, cookie, by_cookie);
 			slot = kpr_services6.lookup(&key);
 		}
-		if (slot)
-			remember_sticky(ctx, master, key.slot, slot->backend_id, now);
+		if (!slot)
+			return KPR_PICK_MAP_ERROR;
+		remember_sticky(ctx, master, key.slot, slot->backend_id, now);
+		backend_id = slot->backend_id;
 	} else {
 		key.slot = pick_slot(master->count, cookie, by_cookie);
-		slot = kpr_services6.lookup(&key);
+		backend_id = block_backend(master, key.slot);
+		if (!backend_id) {
+			slot = kpr_services6.lookup(&key);
+			if (!slot)
+				return KPR_PICK_MAP_ERROR;
+			backend_id = slot->backend_id;
+		}
 	}
-	if (!slot)
-		return KPR_PICK_MAP_ERROR;
-	backend_id = slot->backend_id;
 	backend = kpr_backends6.lookup(&backend_id);
 	if (!backend)
 		return KPR_PICK_MAP_ERROR;

@@ -331,8 +331,8 @@ def test_small_bench_every_mode_carries_connections(tmp_path):
             assert summary["agent_rss_mb"] > 0
             for sample in entry["samples"]:  # direct alternated with kpr, block by block
                 assert sample["blocks"] == sample["direct"]["blocks"] == bench.PAIRED_BLOCKS
-                assert sample["direct"]["connect_ok"] == 200  # 20 blocks of 10
-                assert sample["connect_p50_us_ratio"] > 0  # median of the pairs' ratios
+                assert sample["direct"]["connect_ok"] == sample["connect_ok"] == 200
+                assert sample["connect_p50_us_ratio"] > 0
 
 
 def test_node_port_rules_as_upstream_writes_them(throwaway_netns):

@@ -165,6 +165,20 @@ def test_service_without_endpoints_refuses_at_once(cluster):
     assert counters["no_backend"] >= 6
 
 
+def test_the_paired_latency_client_connects_from_each_sides_cgroup(cluster):
+    # what `kpr bench` relies on for kpr's ratios: side a (the baseline cgroup) never meets
+    # kpr's programs, side b (the lab's cgroup) always does, though one process runs both
+    from kpr.lab.latency import measure_paired
+
+    cluster.echo(pods=[])  # kpr refuses; without kpr there is no route to the ClusterIP
+    lab = cluster.lab
+    a, b = measure_paired(
+        lab, (lab.baseline_cgroup, [(VIP4, 80)]), (lab.cgroup, [(VIP4, 80)]), 40, 10
+    )
+    assert (a["count"], a["errors"]) == (40, {"ENETUNREACH": 40})
+    assert (b["count"], b["errors"]) == (40, {"ECONNREFUSED": 40})
+
+
 def test_tcp_and_udp_on_the_same_port_are_separate_services(cluster):
     lab = cluster.lab
     a, b = lab.pods[0], lab.pods[1]

@@ -175,11 +175,12 @@ def test_added_pod_answers_and_removed_pod_is_gone() -> None:
 def test_close_leaves_no_netns_or_cgroup_behind() -> None:
     _skip_unless_netns_works()
     lab = Lab(pods=2, prefix=PREFIX)
-    lab.popen_client(["sleep", "60"])  # a straggler client: close() must kill it
+    lab.popen_client(["sleep", "60"])  # straggler clients: close() must kill them
+    lab.popen_client(["sleep", "60"], cgroup=lab.baseline_cgroup)
     made = _leftovers(lab.lab_id)
     lab.close()
 
-    assert len(made) == 4  # node + 2 pods + cgroup
+    assert len(made) == 5  # node + 2 pods + 2 cgroups
     assert _leftovers(lab.lab_id) == []
 
 

@@ -17,10 +17,10 @@ Per mode and N: connect latency p50/p99 (kpr.lab.latency's C client), short-conn
 (connect, 1-byte request, 1-byte answer, close) and one connection's streaming throughput (a
 small C tool built here, with its own servers in the pods), full programming time, the time
 one endpoint change takes to apply as that proxy applies it, and memory. Every datapath figure
-is divided by a ``direct`` measurement in the same lab: for kpr, direct connects alternate
-with kpr's block by block from a sibling cgroup its programs do not see (``measure_paired``);
-the NAT modes' rules catch every connect in the netns, so their direct is measured just before
-they are loaded.
+is divided by a ``direct`` measurement in the same lab: for kpr, direct alternates with kpr in
+the same run, from a sibling cgroup its programs do not see (``measure_paired``); the NAT
+modes' rules catch every connect in the netns, so their direct is measured just before they
+are loaded.
 
 Noise: the machine is shared. Each round builds a fresh lab and runs the modes in a rotated
 order; medians over rounds are reported. ``iptables-legacy`` always runs last in a round: a
@@ -55,6 +55,7 @@ from kpr import host, runstate
 from kpr.bench import kubeproxy_rules as rules
 from kpr.bench.kubeproxy_rules import ServicePort
 from kpr.lab.latency import build_c_program, measure
+from kpr.lab.latency import measure_paired as measure_paired_latency
 from kpr.lab.netns import Lab
 
 MODES = ("direct", "iptables", "iptables-legacy", "nftables", "kpr")
@@ -869,7 +870,18 @@ def _repo_env() -> dict[str, str]:
 # --- measuring --------------------------------------------------------------------------------
 
 
-def measure_datapath(
+def latency_figures(latency: dict) -> dict:
+    """kpr.lab.latency's connect figures, as the bench reports them."""
+    return {
+        "connect_p50_us": latency["p50_ns"] / 1000 if latency["p50_ns"] else None,
+        "connect_p99_us": latency["p99_ns"] / 1000 if latency["p99_ns"] else None,
+        "connect_ok": latency["ok"],
+        "connect_failures": latency["failures"],
+        "connect_errors": latency["errors"],
+    }
+
+
+def measure_traffic(
     bl: BenchLab,
     mode: Mode,
     services: ServiceSet,
@@ -877,20 +889,13 @@ def measure_datapath(
     stream_mb: int,
     cgroup: Path | None = None,
 ) -> dict:
-    """Connect latency, request rate and one stream through ``mode``, from the lab's client
-    cgroup (or ``cgroup``)."""
-    http = mode.targets(bl, services, "http")
-    latency = measure(bl.lab, http, connections, cgroup)
+    """Request rate and one stream through ``mode``, from the lab's client cgroup (or
+    ``cgroup``)."""
     rr_targets = _flat(mode.targets(bl, services, "rr"))
     rr = bl.client(["rr", str(connections), *rr_targets], cgroup=cgroup)
     sink = mode.targets(bl, services, "sink")[0]
     stream = bl.client(["stream", str(stream_mb << 20), *_flat([sink])], cgroup=cgroup)
     return {
-        "connect_p50_us": latency["p50_ns"] / 1000 if latency["p50_ns"] else None,
-        "connect_p99_us": latency["p99_ns"] / 1000 if latency["p99_ns"] else None,
-        "connect_ok": latency["ok"],
-        "connect_failures": latency["failures"],
-        "connect_errors": latency["errors"],
         "rr_per_s": rr["rate"],
         "rr_ok": rr["ok"],
         "rr_failures": rr["failures"],
@@ -900,18 +905,38 @@ def measure_datapath(
     }
 
 
-PAIRED_BLOCKS = 20
+def measure_datapath(bl: BenchLab, mode: Mode, services: ServiceSet, cfg: BenchConfig) -> dict:
+    """Connect latency, request rate and one stream through ``mode``."""
+    latency = measure(bl.lab, mode.targets(bl, services, "http"), cfg.connections)
+    return latency_figures(latency) | measure_traffic(
+        bl, mode, services, cfg.connections, cfg.stream_mb
+    )
+
+
+PAIRED_BLOCKS = 10  # of the request-rate and stream measurements
+LATENCY_BLOCK = 25  # connects per side between the latency client's cgroup moves
 
 
 def measure_paired(
     bl: BenchLab, mode: Mode, services: ServiceSet, cfg: BenchConfig
 ) -> tuple[dict, dict, dict]:
-    """``mode`` and direct measured in alternating blocks (D M, M D, D M, ...), direct from the
-    lab's baseline cgroup while ``mode`` is in place: both see the same machine at the same
-    moment. Returns ``mode``'s and direct's figures (medians over their blocks, counts summed)
-    and each figure's ratio as the median of the per-pair ratios: this VM's latency jumps
-    between two levels (about 7 and 11 µs) for seconds at a time, and a pair of adjacent blocks
-    shares its level where two medians over all blocks need not."""
+    """``mode`` and direct measured side by side while ``mode`` is in place, direct from the
+    lab's baseline cgroup, so both see the same moments of a shared machine (this VM's
+    latency jumps between two levels, about 7 and 11 µs, for seconds at a time):
+
+    - connect latency: one client process alternating between the two cgroups every
+      LATENCY_BLOCK connects (kpr.lab.latency.measure_paired);
+    - request rate and stream: PAIRED_BLOCKS blocks each, alternating D M, M D, ...; their
+      ratio is the median over pairs of adjacent blocks.
+
+    Returns ``mode``'s figures, direct's, and the ratios."""
+    direct_latency, mode_latency = measure_paired_latency(
+        bl.lab,
+        (bl.lab.baseline_cgroup, DIRECT.targets(bl, services, "http")),
+        (bl.lab.cgroup, mode.targets(bl, services, "http")),
+        cfg.connections,
+        LATENCY_BLOCK,
+    )
     connections = max(1, cfg.connections // PAIRED_BLOCKS)
     stream_mb = max(1, cfg.stream_mb // PAIRED_BLOCKS)
     blocks: dict[str, list[dict]] = {"mode": [], "direct": []}
@@ -919,10 +944,15 @@ def measure_paired(
         order = [("direct", DIRECT, bl.lab.baseline_cgroup), ("mode", mode, None)]
         for side, measured, cgroup in order[:: 1 if index % 2 == 0 else -1]:
             blocks[side].append(
-                measure_datapath(bl, measured, services, connections, stream_mb, cgroup)
+                measure_traffic(bl, measured, services, connections, stream_mb, cgroup)
             )
+    figures = latency_figures(mode_latency) | _merge_blocks(blocks["mode"])
+    direct = latency_figures(direct_latency) | _merge_blocks(blocks["direct"])
     ratios = {}
-    for key in RATIO_KEYS:
+    for key in ("connect_p50_us", "connect_p99_us"):
+        if figures[key] and direct[key]:
+            ratios[f"{key}_ratio"] = figures[key] / direct[key]
+    for key in ("rr_per_s", "stream_gbit_s"):
         pairs = [
             m[key] / d[key]
             for m, d in zip(blocks["mode"], blocks["direct"], strict=True)
@@ -930,22 +960,20 @@ def measure_paired(
         ]
         if pairs:
             ratios[f"{key}_ratio"] = statistics.median(pairs)
-    return _merge_blocks(blocks["mode"]), _merge_blocks(blocks["direct"]), ratios
+    return figures, direct, ratios
 
 
 def _merge_blocks(blocks: list[dict]) -> dict:
     merged: dict = {"blocks": len(blocks)}
-    for key in RATIO_KEYS:
+    for key in ("rr_per_s", "stream_gbit_s"):
         values = [b[key] for b in blocks if b[key] is not None]
         merged[key] = statistics.median(values) if values else None
-    for key in ("connect_ok", "connect_failures", "rr_ok", "rr_failures"):
+    for key in ("rr_ok", "rr_failures"):
         merged[key] = sum(b[key] for b in blocks)
-    for key in ("connect_errors", "rr_backends"):
-        total: dict[str, int] = {}
-        for block in blocks:
-            for name, n in block[key].items():
-                total[name] = total.get(name, 0) + n
-        merged[key] = total
+    merged["rr_backends"] = {}
+    for block in blocks:
+        for name, n in block["rr_backends"].items():
+            merged["rr_backends"][name] = merged["rr_backends"].get(name, 0) + n
     merged["stream_ok"] = all(b["stream_ok"] for b in blocks)
     return merged
 
@@ -964,17 +992,17 @@ def run_slot(
 ) -> dict:
     """One mode in one round: a direct baseline, program, measure, change, clean up."""
     if mode.name == "direct":
-        return {"direct": measure_datapath(bl, DIRECT, services, cfg.connections, cfg.stream_mb)}
+        return {"direct": measure_datapath(bl, DIRECT, services, cfg)}
     sample: dict = {}
     if not mode.pairs_with_direct:
-        sample["direct"] = measure_datapath(bl, DIRECT, services, cfg.connections, cfg.stream_mb)
+        sample["direct"] = measure_datapath(bl, DIRECT, services, cfg)
     try:
         sample.update(mode.program(bl, services))
         if mode.pairs_with_direct:
             figures, sample["direct"], ratios = measure_paired(bl, mode, services, cfg)
             figures.update(ratios)
         else:
-            figures = measure_datapath(bl, mode, services, cfg.connections, cfg.stream_mb)
+            figures = measure_datapath(bl, mode, services, cfg)
         sample.update(figures)
         sample.update(mode.change(bl, services, change))
         if first:
@@ -1181,9 +1209,9 @@ def render_table(report: dict, color: bool = False) -> str:
         )
     lines.append(
         "×: median of per-round ratios to direct in the same lab (lower is better for latency, "
-        "higher for conn/s and Gbit/s): for kpr, each round's ratio is the median over pairs of "
-        "adjacent blocks, direct from a cgroup without its programs; for the NAT modes, direct "
-        "just before their rules are loaded. memory: kpr's agent RSS when synced; iptables/nft: "
+        "higher for conn/s and Gbit/s): for kpr, direct alternates with it in the same run, "
+        "from a cgroup without its programs; for the NAT modes, direct is measured just before "
+        "their rules are loaded. memory: kpr's agent RSS when synced; iptables/nft: "
         "peak RSS of the restore process."
     )
     return "\n".join(lines)

@@ -105,6 +105,13 @@ class SockRevNat6Key(ct.Structure):
     ]
 
 
+BLOCK_SLOTS = 16  # KPR_BLOCK_SLOTS
+
+
+class SlotBlock(ct.Structure):
+    _fields_ = [("backend_ids", ct.c_uint32 * BLOCK_SLOTS)]
+
+
 class SockPeer(ct.Structure):
     _fields_ = [
         ("service_address", ct.c_uint8 * 16),
@@ -256,6 +263,8 @@ MAPS: dict[str, MapSpec] = {
             SockPeerSlot,
             "KPR_SOCK_PEERS_MAX",
         ),
+        # indexed by service id, like the revnat maps: as many entries
+        _spec("kpr_slot_blocks", BPF_MAP_TYPE_ARRAY, ct.c_uint32, SlotBlock, "KPR_REVNAT_MAX"),
         _spec("kpr_affinity", BPF_MAP_TYPE_LRU_HASH, AffinityKey, Affinity, "KPR_AFFINITY_MAX"),
         _spec("kpr_stats", BPF_MAP_TYPE_PERCPU_ARRAY, ct.c_uint32, ct.c_uint64, STAT_MAX),
         _spec("kpr_ct", BPF_MAP_TYPE_LRU_HASH, FlowKey, Ct, "KPR_CT_MAX"),

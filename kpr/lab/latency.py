@@ -68,3 +68,29 @@ def measure(
     if done.returncode != 0:
         raise RuntimeError(f"connect_latency failed ({done.returncode}): {done.stderr.strip()}")
     return json.loads(done.stdout)
+
+
+def measure_paired(
+    lab: Lab,
+    a: tuple[Path, list[tuple[str, int]]],
+    b: tuple[Path, list[tuple[str, int]]],
+    count: int,
+    block: int = 25,
+) -> tuple[dict, dict]:
+    """Time ``count`` connects for each of two sides, each a (cgroup, targets) pair, in one
+    client process that moves between the two cgroups every ``block`` connects: the sides
+    alternate within milliseconds, so a shared machine's slow and fast moments fall on both
+    alike. Returns each side's figures as ``measure`` does."""
+    fds = [os.open(cgroup / "cgroup.procs", os.O_WRONLY) for cgroup, _ in (a, b)]
+    try:
+        argv = [str(build_client()), "--paired", str(block), str(fds[0]), str(fds[1]), str(count)]
+        argv += [str(x) for target in a[1] for x in target] + ["--"]
+        argv += [str(x) for target in b[1] for x in target]
+        done = lab.run_client(argv, timeout=max(60.0, count * 0.02), pass_fds=fds)
+    finally:
+        for fd in fds:
+            os.close(fd)
+    if done.returncode != 0:
+        raise RuntimeError(f"connect_latency failed ({done.returncode}): {done.stderr.strip()}")
+    result = json.loads(done.stdout)
+    return result["a"], result["b"]
