@@ -23,7 +23,7 @@ from typing import Protocol
 
 from kpr import conflicts, host, runstate
 from kpr.datapath import abi, loader, sockets, tc
-from kpr.datapath.maps import BpfMaps, execute
+from kpr.datapath.maps import BpfMaps, execute, slot_blocks
 from kpr.datapath.plan import apply_plan, plan
 from kpr.devices import Device
 from kpr.gcpause import paused_gc
@@ -273,6 +273,9 @@ class Agent:
             drift = _drift(self.programmed, reread)
             self.programmed = reread
             touched = None
+            # the slot blocks are not read back: write them all again from the slot entries
+            # (a previous run may have stopped between the two)
+            self.maps.write_slot_blocks(slot_blocks(reread.services.values()))
         problems = self.source_problems + self.desired.problems
         self._report(problems)
         udp_before = self._udp_backends(touched)

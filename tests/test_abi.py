@@ -47,6 +47,7 @@ def test_slot_limit_and_version_match_the_header():
         in header
     )
     assert f"#define KPR_MAX_SLOTS {abi.MAX_SLOTS}\n" in header
+    assert f"#define KPR_BLOCK_SLOTS {abi.BLOCK_SLOTS}\n" in header
     assert f"#define KPR_ABI_VERSION {abi.ABI_VERSION}\n" in header
     assert f'"/v{abi.ABI_VERSION}_" name' in header
 
@@ -66,3 +67,5 @@ def test_struct_formats_pack_the_same_bytes_as_the_ctypes_mirror():
     assert abi.NODE_PORT_KEY.pack(30080, 6) == bytes(abi.NodePortKey(30080, 6))
     assert abi.BACKEND4.pack(v4, 8080) == bytes(abi.Backend4((ct.c_uint8 * 4)(*v4), 8080))
     assert abi.BACKEND6.pack(v6, 8080) == bytes(abi.Backend6((ct.c_uint8 * 16)(*v6), 8080))
+    ids = list(range(1, abi.BLOCK_SLOTS + 1))
+    assert abi.SLOT_BLOCK.pack(*ids) == bytes(abi.SlotBlock((ct.c_uint32 * abi.BLOCK_SLOTS)(*ids)))

@@ -165,6 +165,28 @@ def test_service_without_endpoints_refuses_at_once(cluster):
     assert counters["no_backend"] >= 6
 
 
+def test_connects_read_a_small_services_slot_block_and_fall_back_to_its_slots(cluster):
+    from ipaddress import ip_address
+
+    from kpr.model import Frontend
+
+    cluster.echo()
+    frontend = Frontend(ip_address(VIP4), 80, "TCP")
+    maps = cluster.agent.maps
+    service = maps.read().services[frontend]
+    # the slot entries gone behind the agent's back: the block still serves
+    maps.delete_services([(frontend, slot) for slot in range(1, len(service.slots) + 1)])
+    results = cluster.probe("tcp", VIP4, 80, "--count", 12)
+    assert {r.get("error") for r in results} == {None}
+    # and an empty block sends the hooks to the (missing) slot entries
+    maps.write_slot_blocks({service.service_id: []})
+    assert {r.get("error") for r in cluster.probe("tcp", VIP4, 80, "--count", 3)} == {
+        "EHOSTUNREACH"
+    }
+    cluster.agent.sync(None, full=True)  # a full sync puts slots and block back
+    assert {r.get("error") for r in cluster.probe("tcp", VIP4, 80, "--count", 12)} == {None}
+
+
 def test_the_paired_latency_client_connects_from_each_sides_cgroup(cluster):
     # what `kpr bench` relies on for kpr's ratios: side a (the baseline cgroup) never meets
     # kpr's programs, side b (the lab's cgroup) always does, though one process runs both

@@ -8,6 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kpr.datapath import abi
 from kpr.datapath.maps import MemoryMaps, consistent, execute
 from kpr.datapath.plan import apply_plan, assign_slots, plan
 from kpr.model import Backend, Frontend, FrontendState, Translation
@@ -43,6 +44,14 @@ def sync(maps: MemoryMaps, translation: Translation) -> int:
     result = execute(maps, steps)
     assert not result.failed
     return steps.writes()
+
+
+def assert_blocks_match_slots(maps: MemoryMaps) -> None:
+    """Once a plan is written, each small frontend's slot block is its slots, in order
+    (the socket hooks read the block first)."""
+    for frontend, service in maps.read().services.items():
+        if len(service.slots) <= abi.BLOCK_SLOTS:
+            assert maps.blocks.get(service.service_id) == service.slots, frontend
 
 
 def served(maps: MemoryMaps) -> dict[Frontend, set[Backend]]:
@@ -156,6 +165,7 @@ def test_any_sequence_of_updates_ends_equal_to_the_last_translation(sequence):
     assert served(maps) == {fe(ord(k) - 96): {be(b) for b in v} for k, v in last.items()}
     referenced = {b for s in maps.read().services.values() for b in s.slots}
     assert set(maps.backends) == referenced
+    assert_blocks_match_slots(maps)
 
 
 @pytest.mark.parametrize("protocol", ["TCP", "UDP"])
@@ -192,6 +202,7 @@ def test_plans_for_only_the_changed_frontends_end_in_the_same_maps(sequence):
     referenced = {b for s in maps.read().services.values() for b in s.slots}
     assert set(maps.backends) == referenced  # no backend leaked by partial plans
     assert len(maps.revnat) == len(sequence[-1])
+    assert_blocks_match_slots(maps)
 
 
 def test_when_the_map_fills_the_services_that_fit_are_written_whole():
@@ -204,6 +215,7 @@ def test_when_the_map_fills_the_services_that_fit_are_written_whole():
     assert served(maps) == {fe(1): {be(1), be(2), be(3)}}
     assert not consistent(maps)
     assert len(maps.services) == 4  # b left nothing behind
+    assert_blocks_match_slots(maps)  # a's block, written on the one-by-one path
 
 
 def ranged(ranges: list[str]) -> Translation:

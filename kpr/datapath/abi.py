@@ -360,6 +360,7 @@ SERVICE_VALUE = struct.Struct("<IIIIIxxxx")  # backend_id, count, service_id, fl
 BACKEND4 = struct.Struct("<4sHxx")  # address, port; also struct kpr_revnat4
 BACKEND6 = struct.Struct("<16sHxx")
 ID = struct.Struct("<I")
+SLOT_BLOCK = struct.Struct(f"<{BLOCK_SLOTS}I")  # struct kpr_slot_block
 DEVICE = struct.Struct("<4s16sxxxx")  # address4, address6
 SOURCE_RANGE_KEY = struct.Struct("<II16s")  # prefixlen, service_id, address
 NODE_PORT_KEY = struct.Struct("<HBx")  # port, protocol

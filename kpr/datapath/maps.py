@@ -63,6 +63,13 @@ class Maps(Protocol):
     def delete_backends(self, entries: dict[int, Backend]) -> None: ...
     def write_source_ranges(self, entries: dict[SourceRange, Frontend]) -> WriteResult: ...
     def delete_source_ranges(self, entries: set[SourceRange]) -> None: ...
+    def write_slot_blocks(self, entries: dict[int, list[int]]) -> WriteResult: ...
+
+
+def slot_blocks(services: Iterable[ProgrammedService]) -> dict[int, list[int]]:
+    """The slot blocks of these frontends (struct kpr_slot_block): by service id, the
+    backend ids of slots 1..count, for frontends with at most BLOCK_SLOTS backends."""
+    return {s.service_id: s.slots for s in services if len(s.slots) <= abi.BLOCK_SLOTS}
 
 
 def decode(
@@ -108,6 +115,11 @@ def execute(maps: Maps, steps: Plan) -> WriteResult:
         failed = {f for f, s in slots.items() if not failed_backends.isdisjoint(s.values())}
         slots = {f: s for f, s in slots.items() if f not in failed}
     failed |= {key[0] for key in merge(maps.write_slots(slots))}
+    # a frontend's block goes with its slots, before its master and before any backend
+    # it stops naming is deleted
+    frontend_of = {s.service_id: f for f, s in steps.after.items() if f not in failed}
+    blocks = slot_blocks(steps.after[f] for f in frontend_of.values())
+    failed |= {frontend_of[sid] for sid in merge(maps.write_slot_blocks(blocks))}
     revnat = {sid: f for sid, f in steps.revnat_writes.items() if f not in failed}
     failed_ids = merge(maps.write_revnat(revnat))
     failed |= {steps.revnat_writes[sid] for sid in failed_ids}
@@ -147,6 +159,8 @@ def _one_by_one(maps: Maps, steps: Plan, failed: set[Frontend]) -> set[Frontend]
     still = set()
     for frontend in sorted(failed, key=by_key):
         ok = not maps.write_slots({frontend: slots.get(frontend, {})}).failed
+        if ok and frontend in steps.after:
+            ok = not maps.write_slot_blocks(slot_blocks([steps.after[frontend]])).failed
         if ok and frontend in revnat:
             ok = not maps.write_revnat({revnat[frontend]: frontend}).failed
         if ok:
@@ -173,6 +187,7 @@ class MemoryMaps:
         self.backends: dict[int, Backend] = {}
         self.revnat: dict[int, Frontend] = {}
         self.ranges: dict[SourceRange, Frontend] = {}
+        self.blocks: dict[int, list[int]] = {}
         self.check = check
 
     def _checked(self) -> None:
@@ -234,22 +249,34 @@ class MemoryMaps:
     def delete_source_ranges(self, entries: set[SourceRange]) -> None:
         self._delete(self.ranges, entries)
 
+    def write_slot_blocks(self, entries: dict[int, list[int]]) -> WriteResult:
+        # an array: every index exists, nothing to fill up
+        for sid, slots in entries.items():
+            self.blocks[sid] = list(slots)
+            self._checked()
+        return WriteResult()
+
 
 def consistent(maps: MemoryMaps) -> list[str]:
     """What a datapath reader could trip on right now: a master counting a slot
-    that is absent, a slot naming a backend that is absent, or a master limited
-    to source ranges that has none."""
+    that is absent, a slot or slot block naming a backend that is absent, or a
+    master limited to source ranges that has none."""
     faults = []
     ranged = {sid for sid, _ in maps.ranges}
     for (frontend, slot), entry in maps.services.items():
         if slot:
             continue
+        block = maps.blocks.get(entry.service_id, []) if entry.count <= abi.BLOCK_SLOTS else []
         for i in range(1, entry.count + 1):
             slot_entry = maps.services.get((frontend, i))
             if slot_entry is None:
                 faults.append(f"{frontend}: slot {i} of {entry.count} missing")
             elif slot_entry.backend_id not in maps.backends:
                 faults.append(f"{frontend}: slot {i} names absent backend {slot_entry.backend_id}")
+            # a block entry is read instead of the slot entry, unless it is 0; between a
+            # slot's write and its block's it may still name the slot's previous backend
+            if i <= len(block) and block[i - 1] and block[i - 1] not in maps.backends:
+                faults.append(f"{frontend}: slot block {i} names absent backend {block[i - 1]}")
         if entry.service_id not in maps.revnat:
             faults.append(f"{frontend}: no reverse entry for service {entry.service_id}")
         if entry.flags & abi.SVC_F_SOURCE_RANGES and entry.service_id not in ranged:
@@ -501,6 +528,19 @@ class BpfMaps:
 
     def write_revnat(self, entries: dict[int, Frontend]) -> WriteResult:
         return self._write(_pack_addresses("revnat", entries))
+
+    def write_slot_blocks(self, entries: dict[int, list[int]]) -> WriteResult:
+        """Service ids past the array are left out: the hooks find no block there and
+        read the slot entries."""
+        pinned = self.maps["kpr_slot_blocks"]
+        batch = _Packed()
+        pack_block = abi.SLOT_BLOCK.pack
+        for sid, slots in entries.items():
+            if sid < pinned.info.max_entries:
+                batch.keys += abi.ID.pack(sid)
+                batch.values += pack_block(*slots, *[0] * (abi.BLOCK_SLOTS - len(slots)))
+                batch.labels.append(sid)
+        return self._write({"kpr_slot_blocks": batch} if batch.labels else {})
 
     def delete_services(self, keys: list[ServiceKey]) -> None:
         self._delete(_pack_service_keys(keys))
