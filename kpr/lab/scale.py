@@ -26,7 +26,7 @@ import yaml
 from kpr import host, runstate
 from kpr.agent import Agent, AgentConfig
 from kpr.datapath import bpfsys, loader
-from kpr.lab.latency import measure
+from kpr.lab.latency import measure, measure_paired
 from kpr.lab.netns import Lab
 from kpr.model import NodeContext
 from kpr.sources.manifests import ManifestSource
@@ -119,7 +119,8 @@ def agent_process(directory: Path, lab: Lab, pin_dir: Path) -> dict:
     """`kpr run` from empty maps to synced: wall time and resident memory."""
     argv = [sys.executable, "-m", "kpr.cli", "run", "--devices", "none", "--source", str(directory),
             "--cgroup", str(lab.cgroup), "--bpffs", str(pin_dir),
-            "--log-level", "warning"]  # fmt: skip
+            "--log-level", "warning", "--healthz-bind-address", "",
+            "--metrics-bind-address", ""]  # fmt: skip
     started = time.time()
     agent = subprocess.Popen(argv)
     try:
@@ -148,26 +149,28 @@ def hook_cost(pin_dir: Path) -> tuple[int, int]:
 
 
 def latency(lab: Lab, vips: list[str], rounds: int, count: int, pin_dir: Path) -> dict:
-    """Connect latency to the ClusterIPs and directly to the pods, in rounds
-    A B B A ..., so drift in machine load and order effects hit both alike. The
-    ratio is the median of the per-round ratios: the machine is shared and
-    absolute times wander by 10% between minutes."""
+    """Connect latency to the ClusterIPs and directly to the pods. Each round is one client
+    process alternating every 25 connects between the pods from the lab's baseline cgroup
+    (no kpr program) and the ClusterIPs from the lab's cgroup, so drift in machine load hits
+    both alike; the ratio is the median of the per-round ratios."""
     direct_targets = [(str(p.ipv4), lab.port) for p in lab.pods]
     vip_targets = [(v, 80) for v in vips]
     direct, kpr = [], []
     # the kernel's own accounting of the hook's run time, enabled only while this
     # fd is open: the datapath's cost per connect, free of the machine's noise
     stats_fd = bpfsys.enable_run_time_stats()
-    cost = {"direct": [0, 0], "kpr": [0, 0]}
     try:
-        for i in range(rounds):
-            pair = [("direct", direct, direct_targets), ("kpr", kpr, vip_targets)]
-            for name, runs, targets in pair if i % 2 == 0 else reversed(pair):
-                before = hook_cost(pin_dir)
-                runs.append(measure(lab, targets, count))
-                after = hook_cost(pin_dir)
-                cost[name][0] += after[0] - before[0]
-                cost[name][1] += after[1] - before[1]
+        before = hook_cost(pin_dir)
+        for _ in range(rounds):
+            a, b = measure_paired(
+                lab, (lab.baseline_cgroup, direct_targets), (lab.cgroup, vip_targets), count
+            )
+            direct.append(a)
+            kpr.append(b)
+        after = hook_cost(pin_dir)
+        # connect4 runs on every connect from the lab's cgroup: a miss for these
+        measure(lab, direct_targets, count)
+        missed = hook_cost(pin_dir)
     finally:
         os.close(stats_fd)
     for runs in (direct, kpr):
@@ -181,9 +184,8 @@ def latency(lab: Lab, vips: list[str], rounds: int, count: int, pin_dir: Path) -
         out[f"direct_{key}_us"] = statistics.median(d)
         out[f"kpr_{key}_us"] = statistics.median(k)
         out[f"kpr_{key}_ratio"] = statistics.median(b / a for a, b in zip(d, k, strict=True))
-    # connect4 runs on every connect from the cgroup: a miss for direct ones
-    out["hook_ns_per_direct_connect"] = cost["direct"][0] / max(1, cost["direct"][1])
-    out["hook_ns_per_service_connect"] = cost["kpr"][0] / max(1, cost["kpr"][1])
+    out["hook_ns_per_direct_connect"] = (missed[0] - after[0]) / max(1, missed[1] - after[1])
+    out["hook_ns_per_service_connect"] = (after[0] - before[0]) / max(1, after[1] - before[1])
     return out
 
 
