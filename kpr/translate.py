@@ -74,7 +74,10 @@ def _translate_service(
         )
     ref = service.ref
     # Each address is served from the slices of its own IP family.
-    slices_of = {v: [s for s in slices if s.address_type == f"IPv{v}"] for v in (4, 6)}
+    slices_of = {
+        4: [s for s in slices if s.address_type == "IPv4"],
+        6: [s for s in slices if s.address_type == "IPv6"],
+    }
     for index, port in enumerate(service.ports):
         field = f"spec.ports[{index}]"
         if port.protocol not in PROTOCOLS:
@@ -106,11 +109,11 @@ def _translate_service(
                     Problem(f"{frontend} is also claimed by {owner}, which keeps it", ref, field)
                 )
                 continue
-            family_slices = slices_of[frontend.address.version]
-            key = (frontend.address.version, policy)
-            if key not in selected:
-                selected[key] = select_backends(port, family_slices, policy, node)
-            backends = selected[key]
+            version = frontend.address.version
+            family_slices = slices_of[version]
+            if (version, policy) not in selected:
+                selected[(version, policy)] = select_backends(port, family_slices, policy, node)
+            backends = selected[(version, policy)]
             if len(backends) > MAX_SLOTS:
                 translation.problems.append(
                     Problem(
@@ -273,7 +276,7 @@ def merge_endpoints(port: ServicePort, slices: Iterable[EndpointSlice]) -> dict[
             for endpoint in endpoint_slice.endpoints:
                 backend = Backend(endpoint.addresses[0], number)
                 known = merged.setdefault(backend, endpoint)
-                if known.terminating and not endpoint.terminating:
+                if known is not endpoint and known.terminating and not endpoint.terminating:
                     merged[backend] = endpoint
     return merged
 

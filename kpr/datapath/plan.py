@@ -156,8 +156,8 @@ def plan(
     known = programmed.backend_index
     for frontend in sorted(wanted_frontends, key=by_key):
         state = desired[frontend]
-        wanted = [  # (ids start at 1)
-            known.get(b) or new_backends.setdefault(b, first_new_id + len(new_backends))
+        wanted = [  # (ids start at 1; nothing known: a first sync, every backend is new)
+            (known and known.get(b)) or new_backends.setdefault(b, first_new_id + len(new_backends))
             for b in state.backends
         ]
         current = programmed.services.get(frontend)
