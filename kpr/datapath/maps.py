@@ -14,6 +14,7 @@ import os
 import struct
 from collections import defaultdict
 from collections.abc import Iterable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from ipaddress import IPv4Address, IPv6Address, ip_address, ip_network
 from pathlib import Path
@@ -56,6 +57,11 @@ class Maps(Protocol):
     def read(self) -> ProgrammedState: ...
     def write_backends(self, entries: dict[int, Backend]) -> WriteResult: ...
     def write_slots(self, entries: Slots) -> WriteResult: ...
+    def write_backends_with(
+        self, backends: dict[int, Backend], slots: Slots
+    ) -> tuple[WriteResult, WriteResult]:
+        """New backends, and slots no reader can reach yet: in any order."""
+
     def write_masters(self, entries: list[Master]) -> WriteResult: ...
     def delete_services(self, keys: list[ServiceKey]) -> None: ...
     def write_revnat(self, entries: dict[int, Frontend]) -> WriteResult: ...
@@ -108,13 +114,17 @@ def execute(maps: Maps, steps: Plan) -> WriteResult:
         result.errors.extend(step.errors)
         return step.failed
 
-    failed_backends = merge(maps.write_backends(steps.backend_writes))
-    failed: set[Frontend] = set()
+    # Slots above a frontend's current count (all of a new frontend's) are out of
+    # readers' reach until its master is written: they need not wait for the backends.
     slots = steps.slot_writes
+    ahead = {f: s for f, s in slots.items() if min(s) > steps.old_counts.get(f, 0)}
+    backends_written, ahead_written = maps.write_backends_with(steps.backend_writes, ahead)
+    failed_backends = merge(backends_written)
+    failed: set[Frontend] = {key[0] for key in merge(ahead_written)}
     if failed_backends:
-        failed = {f for f, s in slots.items() if not failed_backends.isdisjoint(s.values())}
-        slots = {f: s for f, s in slots.items() if f not in failed}
-    failed |= {key[0] for key in merge(maps.write_slots(slots))}
+        failed |= {f for f, s in slots.items() if not failed_backends.isdisjoint(s.values())}
+    behind = {f: s for f, s in slots.items() if f not in ahead and f not in failed}
+    failed |= {key[0] for key in merge(maps.write_slots(behind))}
     # a frontend's block goes with its slots, before its master and before any backend
     # it stops naming is deleted
     frontend_of = {s.service_id: f for f, s in steps.after.items() if f not in failed}
@@ -217,6 +227,11 @@ class MemoryMaps:
             {(f, slot): ServiceEntry(bid) for f, s in entries.items() for slot, bid in s.items()},
         )
 
+    def write_backends_with(
+        self, backends: dict[int, Backend], slots: Slots
+    ) -> tuple[WriteResult, WriteResult]:
+        return self.write_backends(backends), self.write_slots(slots)
+
     def write_masters(self, entries: list[Master]) -> WriteResult:
         return self._write(
             self.services,
@@ -307,6 +322,10 @@ class _Packed:
             key = bytes(self.keys[i * key_size : (i + 1) * key_size])
             yield key, bytes(self.values[i * value_size : (i + 1) * value_size]), label
 
+
+# write_backends_with: fewer backends or frontends than this are written one after
+# the other (a thread would cost more than it saves)
+_CONCURRENT = 1000
 
 _SERVICE_KEYS = {
     4: ("kpr_services4", abi.SERVICE4_KEY.pack),
@@ -522,6 +541,18 @@ class BpfMaps:
 
     def write_slots(self, entries: Slots) -> WriteResult:
         return self._write(_pack_slots(entries))
+
+    def write_backends_with(
+        self, backends: dict[int, Backend], slots: Slots
+    ) -> tuple[WriteResult, WriteResult]:
+        """Many of both (a first sync: 100,000s) are written on two threads at once:
+        packing takes the GIL, each batch syscall releases it, and the kernel fills
+        the two maps on two CPUs."""
+        if min(len(backends), len(slots)) < _CONCURRENT:
+            return self.write_backends(backends), self.write_slots(slots)
+        with ThreadPoolExecutor(1, thread_name_prefix="kpr-slots") as thread:
+            slots_written = thread.submit(self.write_slots, slots)
+            return self.write_backends(backends), slots_written.result()
 
     def write_masters(self, entries: list[Master]) -> WriteResult:
         return self._write(_pack_masters(entries))

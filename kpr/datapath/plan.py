@@ -165,7 +165,8 @@ def plan(
         if current is None:  # the common case of a first sync: every slot is new
             next_service_id += 1
             added.extend(wanted)
-            out.slot_writes[frontend] = dict(enumerate(wanted, start=1))
+            if wanted:
+                out.slot_writes[frontend] = dict(enumerate(wanted, start=1))
             out.revnat_writes[next_service_id] = frontend
             for network in state.source_ranges:
                 out.range_writes[(next_service_id, network)] = frontend
