@@ -167,6 +167,8 @@ def frontends_of(
     protocol = port.protocol
     for address in service.cluster_ips:
         yield Frontend(address, port.port, protocol), "ClusterIP", service.internal_traffic_policy
+    if service.type == "ClusterIP" and not service.external_ips:
+        return  # (most Services: nothing more to look at)
     node_port = port.node_port if service.type in ("NodePort", "LoadBalancer") else None
     external = [(address, port.port, "ExternalIP") for address in service.external_ips]
     if service.type == "LoadBalancer":

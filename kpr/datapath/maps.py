@@ -327,25 +327,26 @@ class _Packed:
 # the other (a thread would cost more than it saves)
 _CONCURRENT = 1000
 
-_SERVICE_KEYS = {
-    4: ("kpr_services4", abi.SERVICE4_KEY.pack),
-    6: ("kpr_services6", abi.SERVICE6_KEY.pack),
-}
 # A service key ends with the slot and padding: a frontend's keys share everything
-# before it, packed once, and each slot's tail is packed once, here.
+# before it (its prefix), packed once, and each slot's tail is packed once, here.
 _SLOT_TAIL = struct.Struct("<Hxx")
 assert abi.SERVICE4_KEY.format.endswith("Hxx") and abi.SERVICE6_KEY.format.endswith("Hxx")
 _SLOT_TAILS = [_SLOT_TAIL.pack(slot) for slot in range(MAX_SLOTS + 1)]
+# by the address's class, and int(): .version and .packed cost a Python call more each
+_SERVICE_PREFIXES = {
+    IPv4Address: ("kpr_services4", 4, struct.Struct(abi.SERVICE4_KEY.format[:-3]).pack),
+    IPv6Address: ("kpr_services6", 16, struct.Struct(abi.SERVICE6_KEY.format[:-3]).pack),
+}
 # A slot's value is a backend id and zeros.
 _SLOT_VALUE = struct.Struct(f"<I{abi.SERVICE_VALUE.size - 4}x")
 
 
 def _key_prefix(frontend: Frontend) -> tuple[str, bytes]:
     """The map and the packed key of a frontend, up to the slot."""
-    name, pack = _SERVICE_KEYS[frontend.address.version]
+    address = frontend.address
+    name, size, pack = _SERVICE_PREFIXES[type(address)]
     protocol = abi.PROTOCOL_NUMBERS[frontend.protocol]
-    key = pack(frontend.address.packed, frontend.port, protocol, frontend.scope, 0)
-    return name, key[: -_SLOT_TAIL.size]
+    return name, pack(int(address).to_bytes(size, "big"), frontend.port, protocol, frontend.scope)
 
 
 def _pack_slots(entries: Slots) -> dict[str, _Packed]:

@@ -226,7 +226,7 @@ def plan(
         )
 
     out.backend_ids = new_backends
-    out.backend_writes = {bid: backend for backend, bid in new_backends.items()}
+    out.backend_writes = dict(zip(new_backends.values(), new_backends, strict=True))
     refs = Counter(added)  # change in the number of slots naming each backend
     refs.subtract(Counter(removed))
     if touched is None:
