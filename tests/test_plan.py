@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kpr.datapath import abi
-from kpr.datapath.maps import MemoryMaps, consistent, execute
+from kpr.datapath.maps import MemoryMaps, WriteResult, consistent, execute
 from kpr.datapath.plan import apply_plan, assign_slots, plan
 from kpr.model import Backend, Frontend, FrontendState, Translation
 
@@ -216,6 +216,32 @@ def test_when_the_map_fills_the_services_that_fit_are_written_whole():
     assert not consistent(maps)
     assert len(maps.services) == 4  # b left nothing behind
     assert_blocks_match_slots(maps)  # a's block, written on the one-by-one path
+
+
+class FullBackends(MemoryMaps):
+    """Room for two backends; the service maps have plenty."""
+
+    def write_backends(self, entries):
+        result = WriteResult()
+        for bid, backend in entries.items():
+            if bid not in self.backends and len(self.backends) >= 2:
+                result.failed.add(bid)
+                result.errors.append("map full")
+                continue
+            self.backends[bid] = backend
+            self._checked()
+        return result
+
+
+def test_a_full_backend_map_fails_the_service_that_does_not_fit_and_no_slot_dangles():
+    maps = FullBackends(check=strict_maps().check)  # no slot may name an absent backend
+    result = execute(maps, plan(maps.read(), want(a=[1, 2], b=[3, 4])))
+    assert result.failed == {fe(2)}
+    assert served(maps) == {fe(1): {be(1), be(2)}}
+    # and a change that needs one more backend keeps the service as it was
+    result = execute(maps, plan(maps.read(), want(a=[1, 5])))
+    assert result.failed == {fe(1)}
+    assert served(maps) == {fe(1): {be(1), be(2)}}
 
 
 def ranged(ranges: list[str]) -> Translation:

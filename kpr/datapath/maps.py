@@ -155,7 +155,7 @@ def execute(maps: Maps, steps: Plan) -> WriteResult:
 def _one_by_one(maps: Maps, steps: Plan, failed: set[Frontend]) -> set[Frontend]:
     """After a failed batch (a full map, mostly): free the slots the failed frontends
     added, then write them again one frontend at a time, in order, each with its own
-    slots, reverse entry and master, so those that fit are served and one that does not
+    backends, slots, reverse entry and master, so those that fit are served and one that does not
     leaves nothing behind. What still fails is returned."""
     slots = steps.slot_writes
     masters = {m.frontend: m for m in steps.master_writes}
@@ -168,7 +168,14 @@ def _one_by_one(maps: Maps, steps: Plan, failed: set[Frontend]) -> set[Frontend]
     maps.delete_services([key for frontend in failed for key in added(frontend)])
     still = set()
     for frontend in sorted(failed, key=by_key):
-        ok = not maps.write_slots({frontend: slots.get(frontend, {})}).failed
+        # its new backends first (one of them may be what failed): a slot must never
+        # name a backend that is not there
+        mine = slots.get(frontend, {})
+        new = {
+            bid: steps.backend_writes[bid] for bid in mine.values() if bid in steps.backend_writes
+        }
+        ok = not maps.write_backends(new).failed
+        ok = ok and not maps.write_slots({frontend: mine}).failed
         if ok and frontend in steps.after:
             ok = not maps.write_slot_blocks(slot_blocks([steps.after[frontend]])).failed
         if ok and frontend in revnat:
