@@ -90,10 +90,10 @@ struct kpr_service {
 /* The slots of a frontend with at most KPR_BLOCK_SLOTS backends, at index
  * service_id of an array: the socket hooks read the slot here, one array
  * access, instead of a hash lookup whose random bucket in a large map costs a
- * TLB miss (~3% of a connect at 10,000 services on our VM). The slot entries
- * in kpr_services4/6 stay the source of truth: a block is written with them,
- * before the master, and backend id 0 (a slot past the block, or not yet
- * written) sends the reader to the slot entry. */
+ * TLB miss on our VM. The slot entries in kpr_services4/6 stay the source of
+ * truth: a block is written with them, before the master, and backend id 0
+ * (a slot past the block, or not yet written) sends the reader to the slot
+ * entry. */
 struct kpr_slot_block {
 	__u32 backend_ids[KPR_BLOCK_SLOTS]; /* slot 1 at index 0 */
 };
@@ -153,9 +153,10 @@ struct kpr_sock_peer {
 
 /* Connected sockets (TCP, connected UDP) write theirs to slot (cookie %
  * KPR_SOCK_PEERS_MAX) of a ring: a plain array write costs connect() almost
- * nothing, where creating socket local storage cost ~0.45 us per connect on
- * our VM. A slot is reused after that many newer connects; the cookie tells a
- * reader whether the slot is still its socket's (cookie 0: being rewritten). */
+ * nothing, where creating socket local storage cost more than the three map
+ * lookups together on our VM. A slot is reused after that many newer
+ * connects; the cookie tells a reader whether the slot is still its socket's
+ * (cookie 0: being rewritten). */
 struct kpr_sock_peer_slot {
 	__u64 cookie;
 	struct kpr_sock_peer peer;
