@@ -188,6 +188,7 @@ def test_status_reads_the_pinned_maps_with_the_agent_stopped(lab, agent):
         [*KPR, "status", "--bpffs", str(agent.pin_dir)], capture_output=True, text=True
     ).stdout
     assert "default/echo:http" in text and "drift:     none" in text
+    assert "NEARLY FULL" not in text  # one small Service: no map is near its capacity
 
 
 def test_status_reports_drift_made_behind_the_agents_back(lab, agent):

@@ -647,7 +647,9 @@ class BpfMaps:
         out = {}
         for name, spec in abi.MAPS.items():
             pinned = self.maps[name]
-            if spec.map_type == abi.BPF_MAP_TYPE_PERCPU_ARRAY:
+            # an array has every index: it never fills (the ring is reused by design, and
+            # slot blocks are bounded by service ids, i.e. by the revnat maps)
+            if spec.map_type in (abi.BPF_MAP_TYPE_ARRAY, abi.BPF_MAP_TYPE_PERCPU_ARRAY):
                 continue
             if spec.map_type == abi.BPF_MAP_TYPE_LPM_TRIE:  # no batch lookups
                 used = sum(1 for _ in pinned.all_keys())
