@@ -187,6 +187,28 @@ def test_connects_read_a_small_services_slot_block_and_fall_back_to_its_slots(cl
     assert {r.get("error") for r in cluster.probe("tcp", VIP4, 80, "--count", 12)} == {None}
 
 
+def test_many_backends_and_unreachable_slots_are_written_on_two_threads(cluster):
+    # a first sync's size (at least maps._CONCURRENT of each): the threaded path
+    from ipaddress import ip_address
+
+    from kpr.datapath import maps as maps_module
+    from kpr.model import Backend, Frontend
+
+    n = maps_module._CONCURRENT
+    backends = {
+        10_000 + i: Backend(ip_address(f"10.128.{i // 250}.{i % 250 + 1}"), 8080) for i in range(n)
+    }
+    slots = {
+        Frontend(ip_address(f"10.97.{i // 250}.{i % 250 + 1}"), 80, "TCP"): {1: 10_000 + i}
+        for i in range(n)
+    }
+    written = cluster.agent.maps.write_backends_with(backends, slots)
+    assert [w.failed for w in written] == [set(), set()]
+    state = cluster.agent.maps.read()
+    assert {bid: state.backends[bid] for bid in backends} == backends
+    assert {(f, 1) for f in slots} <= state.stray_slots  # slots no master counts yet
+
+
 def test_the_paired_latency_client_connects_from_each_sides_cgroup(cluster):
     # what `kpr bench` relies on for kpr's ratios: side a (the baseline cgroup) never meets
     # kpr's programs, side b (the lab's cgroup) always does, though one process runs both
