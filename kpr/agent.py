@@ -429,6 +429,12 @@ class Agent:
                 target=sockets.terminate_udp, args=(gone, self.cgroup), daemon=True
             ).start()
 
+    def wait_saved(self) -> None:
+        """Wait for a run-state write in the background to finish (before removing the
+        state, as a tool that threw its agent away does)."""
+        if self._saver is not None:
+            self._saver.join()
+
     def _save_state(self, wait: bool = False) -> None:
         """Write the run state file. Serialising it grows with the Services, so
         after partial syncs it is written from a copy by a background thread."""

@@ -286,6 +286,12 @@ def test_small_bench_every_mode_carries_connections(tmp_path):
         pytest.skip(str(err))
     out = tmp_path / "bench.json"
     plot = tmp_path / "bench.png"
+    from kpr import runstate
+
+    def bench_state_files() -> set[str]:
+        return {p.name for p in runstate.RUN_DIR.glob("*kpr-bench-*")}
+
+    state_files_before = bench_state_files()
     done = _kpr(
         "bench",
         "--services",
@@ -304,6 +310,7 @@ def test_small_bench_every_mode_carries_connections(tmp_path):
         str(plot),
     )
     assert done.returncode == 0, done.stderr[-3000:]
+    assert bench_state_files() <= state_files_before  # kpr's run-state files cleaned up too
     report = json.loads(out.read_text())
     assert plot.stat().st_size > 10_000
     assert {e["mode"] for e in report["results"]} == set(bench.MODES)

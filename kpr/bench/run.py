@@ -848,8 +848,10 @@ class Kpr(Mode):
     def cleanup(self, bl: BenchLab | None) -> None:
         from kpr.datapath import loader
 
-        if self.agent is not None and self.agent.maps is not None:
-            self.agent.maps.close()
+        if self.agent is not None:
+            self.agent.wait_saved()  # or its thread writes the state file after it is removed
+            if self.agent.maps is not None:
+                self.agent.maps.close()
         self.agent = None
         if self.cgroup is not None:
             loader.detach(self.cgroup)
