@@ -107,6 +107,17 @@ static __always_inline void fill_peer(struct kpr_sock_peer *peer, const __u32 *s
 	peer->backend_port = backend_port;
 }
 
+/* The socket's slot of the ring (struct kpr_sock_peer_slot), and its cookie. */
+static __always_inline struct kpr_sock_peer_slot *ring_slot(struct bpf_sock_addr *ctx,
+							    __u64 *cookie)
+{
+	__u32 index;
+
+	*cookie = bpf_get_socket_cookie(ctx);
+	index = (__u32)(*cookie % KPR_SOCK_PEERS_MAX);
+	return kpr_sock_peers.lookup(&index);
+}
+
 /* Connected sockets (TCP, connected UDP): into the ring slot of their cookie
  * (struct kpr_sock_peer_slot). The cookie goes to 0 while the slot is
  * rewritten, so a reader never takes another socket's half-written entry. */
@@ -114,9 +125,8 @@ static __always_inline void remember_connected(struct bpf_sock_addr *ctx, const 
 					       __u16 service_port, const __u32 *backend,
 					       __u16 backend_port, int words)
 {
-	__u64 cookie = bpf_get_socket_cookie(ctx);
-	__u32 index = (__u32)(cookie % KPR_SOCK_PEERS_MAX);
-	struct kpr_sock_peer_slot *slot = kpr_sock_peers.lookup(&index);
+	__u64 cookie;
+	struct kpr_sock_peer_slot *slot = ring_slot(ctx, &cookie);
 
 	if (!slot)
 		return;
@@ -202,9 +212,8 @@ static __always_inline bool put_service(const struct kpr_sock_peer *peer, __u32 
 static __always_inline bool recall_peer(struct bpf_sock_addr *ctx, __u32 *address, __u32 *port,
 					int words)
 {
-	__u64 cookie = bpf_get_socket_cookie(ctx);
-	__u32 index = (__u32)(cookie % KPR_SOCK_PEERS_MAX);
-	struct kpr_sock_peer_slot *slot = kpr_sock_peers.lookup(&index);
+	__u64 cookie;
+	struct kpr_sock_peer_slot *slot = ring_slot(ctx, &cookie);
 	struct kpr_sock_peer *on_socket;
 	struct kpr_sock_peer copy;
 

@@ -209,6 +209,14 @@ def test_many_backends_and_unreachable_slots_are_written_on_two_threads(cluster)
     assert {(f, 1) for f in slots} <= state.stray_slots  # slots no master counts yet
 
 
+def test_a_service_id_past_the_slot_block_array_gets_no_block_and_no_error(cluster):
+    # ids grow past the array after long churn: those frontends use their slot entries
+    maps = cluster.agent.maps
+    past = maps.maps["kpr_slot_blocks"].info.max_entries
+    written = maps.write_slot_blocks({past: [1, 2], past + 7: [3]})
+    assert (written.failed, written.errors) == (set(), [])
+
+
 def test_the_paired_latency_client_connects_from_each_sides_cgroup(cluster):
     # what `kpr bench` relies on for kpr's ratios: side a (the baseline cgroup) never meets
     # kpr's programs, side b (the lab's cgroup) always does, though one process runs both
