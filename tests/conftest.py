@@ -87,3 +87,28 @@ def compiled_bpf(tmp_path_factory):
         yield loader.compile_and_pin(path, abi.MapSizes(1024, 1024, 1024, 1024, 1024))
     finally:
         shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def kube_bin():
+    """The upstream binaries (kpr.lab.kube.build; `make test` builds them first where Go is)."""
+    from kpr.lab.kube import build
+
+    try:
+        build.find_go()
+    except build.GoMissing as err:
+        pytest.skip(f"{err}: tests against the real Kubernetes components need it")
+    return build.build()
+
+
+@pytest.fixture(scope="module")
+def control_plane(kube_bin, tmp_path_factory, request):
+    """etcd, kube-apiserver, kube-controller-manager and kube-scheduler for a module's tests
+    (with the module's CONTROLLER_MANAGER_ARGS, if it has any)."""
+    _skip_unless_kernel_ready()  # its advertise address lives in a network namespace
+    from kpr.lab.kube.controlplane import ControlPlane
+
+    extra = list(getattr(request.module, "CONTROLLER_MANAGER_ARGS", []))
+    directory = tmp_path_factory.mktemp("kube")
+    with ControlPlane(kube_bin, directory, extra_controller_manager_args=extra) as plane:
+        yield plane

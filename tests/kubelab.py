@@ -64,9 +64,7 @@ class Kube:
         name = f"t-{uuid.uuid4().hex[:8]}"
         self.core.create_namespace({"metadata": {"name": name}})
         # The namespace controller makes its default ServiceAccount; Pods wait for it.
-        eventually(
-            lambda: self.core.list_namespaced_service_account(name).items, what="default SA"
-        )
+        eventually(lambda: self.core.list_namespaced_service_account(name).items, what="default SA")
         return name
 
     def pod(

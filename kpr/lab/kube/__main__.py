@@ -45,8 +45,9 @@ def _up(directory: Path) -> int:
         while not stop:
             for component in plane.components:
                 if component.process is not None and component.process.poll() is not None:
-                    print(f"kpr.lab.kube: {component.name} exited "
-                          f"({component.process.returncode}); stopping", file=sys.stderr)  # fmt: skip
+                    code = component.process.returncode
+                    print(f"kpr.lab.kube: {component.name} exited ({code}); stopping",
+                          file=sys.stderr)  # fmt: skip
                     stop = True
             time.sleep(0.5)
     finally:
@@ -71,8 +72,11 @@ def _down(directory: Path) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m kpr.lab.kube", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    parser = argparse.ArgumentParser(
+        prog="python -m kpr.lab.kube",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     commands = parser.add_subparsers(dest="command", required=True)
     build_parser = commands.add_parser("build", help="build the binaries or reuse the cache")
     build_parser.add_argument(

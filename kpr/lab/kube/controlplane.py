@@ -66,8 +66,12 @@ apiVersion: audit.k8s.io/v1
 kind: Policy
 omitStages: [RequestReceived]
 rules:
+  - level: Metadata
+    users: [system:serviceaccount:kube-system:kpr]
   - level: None
     users: [system:kube-controller-manager, system:kube-scheduler, system:apiserver]
+  - level: None
+    userGroups: [system:serviceaccounts:kube-system, system:nodes]
   - level: Metadata
 """
 
@@ -95,6 +99,7 @@ class ControlPlane:
     directory: Path
     controllers: tuple[str, ...] = CONTROLLERS
     extra_apiserver_args: list[str] = field(default_factory=list)
+    extra_controller_manager_args: list[str] = field(default_factory=list)
     lab_id: str = ""
     ports: dict[str, int] = field(default_factory=dict)
     components: list[Component] = field(default_factory=list)
@@ -176,6 +181,14 @@ class ControlPlane:
         component = next(c for c in self.components if c.name == name)
         self._launch(component)
         self._wait_ready(component)
+
+    def etcdctl(self, *args: str) -> str:
+        endpoint = f"--endpoints=http://127.0.0.1:{self.ports['etcd']}"
+        return _run([str(self.bin_dir / "etcdctl"), endpoint, *args])
+
+    def etcd_revision(self) -> int:
+        status = json.loads(self.etcdctl("endpoint", "status", "--write-out=json"))
+        return int(status[0]["Status"]["header"]["revision"])
 
     # -- set-up --------------------------------------------------------------------------------
 
@@ -341,9 +354,12 @@ class ControlPlane:
                     f"--controllers={','.join(self.controllers)}",
                     f"--service-account-private-key-file={pki / 'sa.key'}",
                     f"--root-ca-file={self.ca_file}",
+                    # Each controller as its own ServiceAccount, bound by the default RBAC.
+                    "--use-service-account-credentials=true",
                     f"--service-cluster-ip-range={','.join(SERVICE_CIDRS)}",
                     # The lab's changes should reach the slices at once, not in 1 s batches.
                     "--endpointslice-updates-batch-period=0s",
+                    *self.extra_controller_manager_args,
                 ],
             ),
             Component("kube-scheduler", [str(b / "kube-scheduler"), *secured("kube-scheduler")]),
@@ -388,8 +404,9 @@ class ControlPlane:
         while time.monotonic() < deadline:
             assert component.process is not None
             if component.process.poll() is not None:
+                code = component.process.returncode
                 raise RuntimeError(
-                    f"{component.name} exited ({component.process.returncode}): {self.log_tail(component.name)}"
+                    f"{component.name} exited ({code}): {self.log_tail(component.name)}"
                 )
             status, last = self.get(urls[component.name])
             if status == 200:
