@@ -121,20 +121,18 @@ class Kube:
     def names(self, *indexes: int) -> set[str]:
         return {self.lab.pods[i].name for i in indexes}
 
-    def audit_denials(self, user: str) -> list[str]:
-        """Requests of `user` the API server refused (its audit log)."""
-        denied = []
-        path = self.plane.audit_log
-        if not path.exists():
-            return denied
-        for line in path.read_text().splitlines():
+    def audit(self, user: str) -> tuple[int, list[str]]:
+        """How many requests `user` made, and those the API server refused (its audit log)."""
+        made, denied = 0, []
+        for line in self.plane.audit_log.read_text().splitlines():
             event = json.loads(line)
             if event.get("user", {}).get("username") != user:
                 continue
+            made += 1
             code = event.get("responseStatus", {}).get("code", 200)
             if code in (401, 403):
                 denied.append(f"{event['verb']} {event['requestURI']}: {code}")
-        return denied
+        return made, denied
 
 
 class Agent:

@@ -94,13 +94,13 @@ def test_compacted_etcd_gives_410_and_kpr_lists_again(kube, agent, services):
     relists = agent.metric("kpr_relists_total")
     agent.process.send_signal(signal.SIGSTOP)  # kpr sees nothing of what follows
     try:
-        move(kube, ns, 3)
+        move(kube, ns, 2)
         revision = kube.plane.etcd_revision()
         kube.plane.etcdctl("compact", str(revision))
         kube.plane.restart("kube-apiserver")  # its watch cache starts after the compaction
     finally:
         agent.process.send_signal(signal.SIGCONT)
-    eventually(lambda: kube.reached(moving) == kube.names(3), timeout=60, what="after relist")
+    eventually(lambda: kube.reached(moving) == kube.names(2), timeout=60, what="after relist")
     eventually(lambda: agent.metric("kpr_relists_total") > relists, what="a list after 410")
     assert "410" in agent.log.read_text() or "Gone" in agent.log.read_text()
     assert_no_failure(client.result())
