@@ -158,6 +158,7 @@ def test_headless_and_externalname_services_get_no_frontend(kube, agent, ns):
     vip = cluster_ip(plain)
     eventually(lambda: kube.reached(vip) == kube.names(0))
     assert eventually(lambda: kube.slices(ns, "headless"))  # the controller wrote its slice
+
     def served() -> set[str]:
         return {s["service"].split(":")[0] for s in agent.status()["services"]}
 

@@ -4,9 +4,11 @@
 
 For each cluster size N: N Services (10 endpoints each: the same 10 Ready lab pods) created
 through the API, kpr (its defaults, its ServiceAccount's RBAC only) programming them; then, on
-one more Service, `--changes` times: a pod's status set Ready in the API → the EndpointSlice
-controller's update → kpr's maps → the first connection from the lab client that reaches that
-pod, and the same for the pod set not Ready → the first connection refused. Each change is
+one more Service, `--changes` changes, one at a time and more than kpr's minSyncPeriod apart:
+a pod's status set Ready in the API → the EndpointSlice controller's update → kpr's maps → the
+first connection from the lab client that reaches that pod; then the pod set not Ready → the
+first connection refused, and so on. (Changes closer together than minSyncPeriod wait for it,
+in kpr as in kube-proxy: up to 1 s by default.) Each change is
 written just after a whole second, because the controller's trigger time (the pod's Ready
 transition) has a resolution of one second: kpr's own histogram,
 kubeproxy_network_programming_duration_seconds, measures from it, and this way both clocks
@@ -37,6 +39,7 @@ BACKGROUND_PODS = 10
 PORT = 80
 SYNC_TIMEOUT_S = 600.0
 CHANGE_TIMEOUT_S = 30.0
+MIN_SYNC_PERIOD_S = 1.0  # kpr's default, as kube-proxy's
 KPR = [sys.executable, "-m", "kpr.cli"]
 
 
@@ -80,7 +83,13 @@ def _quantiles(samples: list[float]) -> dict:
     def q(p: float) -> float:
         return ordered[min(len(ordered) - 1, math.ceil(p * len(ordered)) - 1)]
 
-    return {"count": len(ordered), "p50": q(0.50), "p99": q(0.99), "max": ordered[-1]}
+    return {
+        "count": len(ordered),
+        "mean": sum(ordered) / len(ordered),
+        "p50": q(0.50),
+        "p99": q(0.99),
+        "max": ordered[-1],
+    }
 
 
 def _histogram(metrics_port: int) -> dict[float, float]:
@@ -92,6 +101,8 @@ def _histogram(metrics_port: int) -> dict[float, float]:
     buckets = {}
     prefix = "kubeproxy_network_programming_duration_seconds_bucket{"
     for line in text.splitlines():
+        if line.startswith("kubeproxy_network_programming_duration_seconds_sum "):
+            buckets[-1.0] = float(line.split()[1])  # the sum, under a key no bound has
         if line.startswith(prefix):
             labels, value = line[len(prefix) :].rsplit("} ", 1)
             bound = labels.split('le="')[1].split('"')[0]
@@ -106,11 +117,18 @@ def _histogram_quantiles(before: dict, after: dict) -> dict:
     total = delta.get(math.inf, 0.0)
     if not total:
         return {"count": 0}
+    mean = delta.pop(-1.0, 0.0) / total  # exact, unlike the bucket bounds
 
     def q(p: float) -> float:
         return next(b for b, c in delta.items() if c >= p * total)
 
-    return {"count": int(total), "p50_le": q(0.5), "p99_le": q(0.99), "max_le": q(1.0)}
+    return {
+        "count": int(total),
+        "mean": mean,
+        "p50_le": q(0.5),
+        "p99_le": q(0.99),
+        "max_le": q(1.0),
+    }
 
 
 def _wait_whole_second() -> float:
@@ -197,8 +215,11 @@ def run_size(plane: ControlPlane, lab: Lab, metrics_port: int, services: int, ch
     before = _histogram(metrics_port)
     failures = []
     try:
-        for k in range(changes * 2):
+        for k in range(changes):
             want = "up" if k % 2 == 0 else "down"
+            # More than kpr's minSyncPeriod (1 s) after the last sync: one change at a time,
+            # not one change waiting for the rate limit a previous one set off.
+            time.sleep(MIN_SYNC_PERIOD_S)
             at = _wait_whole_second()
             wrote = time.time()
             _set_ready(core, ns, "sli", ips, want == "up", at)
@@ -241,8 +262,9 @@ def main(argv: list[str] | None = None) -> int:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--services", default="1000,10000", help="comma-separated sizes")
-    parser.add_argument("--changes", type=int, default=100, help="Ready and not-Ready each")
+    parser.add_argument("--changes", type=int, default=100, help="half Ready, half not Ready")
     parser.add_argument("--json", type=Path, help="write the results here too")
+    parser.add_argument("--logs", type=Path, help="keep the control plane's and kpr's logs here")
     args = parser.parse_args(argv)
     sizes = [int(s) for s in args.services.split(",")]
     bin_dir = build.build()
@@ -250,7 +272,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="kpr-sli-") as tmp, Lab(
         pods=BACKGROUND_PODS + 1, prefix="kprsli"
     ) as lab:  # fmt: skip
-        directory = Path(tmp)
+        directory = args.logs or Path(tmp)
         plane = ControlPlane(bin_dir, directory / "kube")
         with plane:
             core = objects.core_api(plane.kubeconfig)
@@ -288,8 +310,10 @@ def main(argv: list[str] | None = None) -> int:
         print(
             f"{r['services']:>6} Services: SLI over {s.get('count', 0)} changes "
             f"p50 {s.get('p50', 0) * 1e3:.0f} ms, p99 {s.get('p99', 0) * 1e3:.0f} ms, "
-            f"max {s.get('max', 0) * 1e3:.0f} ms; kpr's histogram ({h.get('count', 0)} "
-            f"observations) p50 <= {h.get('p50_le')} s, p99 <= {h.get('p99_le')} s; "
+            f"max {s.get('max', 0) * 1e3:.0f} ms, mean {s.get('mean', 0) * 1e3:.0f} ms; "
+            f"kpr's histogram ({h.get('count', 0)} observations) mean "
+            f"{h.get('mean', 0) * 1e3:.0f} ms, p50 <= {h.get('p50_le')} s, "
+            f"p99 <= {h.get('p99_le')} s; "
             f"failures: {len(r['failures'])}"
         )
     return 0 if all(not r["failures"] for r in results) else 1
