@@ -16,7 +16,7 @@ demo: setup
 	$(VENV)/bin/kpr demo
 
 test: setup
-	command -v shellcheck >/dev/null && command -v ruby >/dev/null || { apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends shellcheck ruby; }
+	command -v shellcheck >/dev/null && command -v ruby >/dev/null && command -v openssl >/dev/null || { apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends shellcheck ruby openssl; }
 	# The real Kubernetes components the lab tests run (cached outside the clone; without Go
 	# it says so, and those tests skip with the reason).
 	$(PYTHON) -m kpr.lab.kube build --if-go

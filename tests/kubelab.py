@@ -10,6 +10,7 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 import uuid
 from collections.abc import Callable
@@ -181,11 +182,16 @@ class Agent:
     def frontends(self) -> set[str]:
         return {s["frontend"] for s in self.status()["services"]}
 
+    def get(self, port: int, path: str) -> tuple[int, str]:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=5) as r:
+                return r.status, r.read().decode()
+        except urllib.error.HTTPError as err:
+            return err.code, err.read().decode()
+
     def metric(self, name: str) -> float:
         """Sum of the samples whose name and labels start with `name`."""
-        url = f"http://127.0.0.1:{self.metrics}/metrics"
-        with urllib.request.urlopen(url, timeout=5) as response:
-            text = response.read().decode()
+        _, text = self.get(self.metrics, "/metrics")
         return sum(
             float(line.rsplit(" ", 1)[1])
             for line in text.splitlines()

@@ -35,7 +35,7 @@ from tests.reliability import (
     wait_gone,
 )
 from tests.test_agent import KPR, status_json
-from tests.test_kubernetes import KubeAgent
+from tests.test_scripted_apiserver import KubeAgent
 
 SYNC_PERIOD = 2.0
 STABLE_VIP = "10.96.0.10"
@@ -359,8 +359,8 @@ def test_pins_removed_behind_the_agents_back_are_restored(lab, api, agent, remov
 
 
 def test_every_hook_detached_behind_the_agents_back_is_attached_again(lab, api, agent):
-    """tests/test_kubernetes.py detaches connect4 alone with BPF_PROG_DETACH; this detaches
-    every hook as `kpr cleanup` or a clean-up script would (loader.detach)."""
+    """test_real_apiserver_faults.py detaches connect4 alone with BPF_PROG_DETACH; this
+    detaches every hook as `kpr cleanup` or a clean-up script would (loader.detach)."""
     cluster = Cluster(api)
     cluster.put("stable", STABLE_VIP, ("http",), pod_addresses(lab, 0, 1, 2))
     cluster.put("stable-v6", STABLE_VIP6, ("http",), pod_addresses(lab, 0, 1, 2, v6=True))

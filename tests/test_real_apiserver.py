@@ -230,3 +230,47 @@ def test_kpr_status_names_the_real_api_server_and_healthy_watches(kube, agent, n
     assert watches and all(w["connected"] and w["synced"] for w in watches.values())
     assert agent.metric("kubeproxy_sync_proxy_rules_last_timestamp_seconds") > 0
     assert status["agent"]["source"] == f"kubernetes:{kube.plane.url}"
+
+
+def test_service_updates_and_deletes_follow_the_api(kube, agent, ns):
+    for i in (0, 1):
+        kube.pod(ns, i)
+    svc = kube.service(ns, "echo")
+    vip = cluster_ip(svc)
+    eventually(lambda: kube.reached(vip) == kube.names(0, 1))
+    kube.core.patch_namespaced_service(
+        "echo", ns, {"spec": {"ports": [{"name": "http", "port": 81, "protocol": "TCP",
+                                         "targetPort": 8080}]}}
+    )  # fmt: skip
+    eventually(lambda: kube.reached(vip, 81) == kube.names(0, 1), what="the new port")
+    eventually(lambda: f"{vip}:80/TCP" not in agent.frontends(), what="the old port gone")
+    kube.core.delete_namespaced_service("echo", ns)
+    eventually(lambda: not {f for f in agent.frontends() if f.startswith(f"{vip}:")})
+
+
+def test_metrics_and_health_follow_the_controllers_changes(kube, agent, ns):
+    programmed = agent.metric("kubeproxy_network_programming_duration_seconds_count")
+    kube.pod(ns, 0)
+    vip = cluster_ip(kube.service(ns, "echo"))
+    eventually(lambda: kube.reached(vip) == kube.names(0))
+    # the controller's trigger time (endpoints.kubernetes.io/last-change-trigger-time) counts
+    eventually(
+        lambda: agent.metric("kubeproxy_network_programming_duration_seconds_count") > programmed
+    )
+    assert agent.metric("kubeproxy_sync_proxy_rules_duration_seconds_count") >= 1
+    assert agent.metric('kpr_datapath_outcomes_total{outcome="translated"}') >= 30
+    status, body = agent.get(agent.healthz, "/healthz")
+    assert status == 200 and '"nodeEligible": true' in body
+
+
+def test_hints_follow_a_change_of_this_nodes_zone(kube, agent, ns):
+    for i, node in ((0, "node-1"), (1, "node-1"), (2, "node-2"), (3, "node-2")):
+        kube.pod(ns, i, node=node)
+    vip = cluster_ip(kube.service(ns, "close", trafficDistribution="PreferClose"))
+    eventually(lambda: kube.reached(vip, count=40) == kube.names(0, 1), what="zone-a's pods")
+    kube.core.patch_node("node-1", {"metadata": {"labels": {objects.ZONE_LABEL: "zone-b"}}})
+    try:
+        # kpr follows its Node's zone (the controller may re-hint pods 0 and 1 as zone-b too)
+        eventually(lambda: kube.names(2, 3) <= kube.reached(vip, count=40), what="zone-b's pods")
+    finally:
+        kube.core.patch_node("node-1", {"metadata": {"labels": {objects.ZONE_LABEL: "zone-a"}}})

@@ -81,6 +81,8 @@ def test_apiserver_killed_and_restarted(kube, agent, services):
     kube.plane.kill("kube-apiserver")
     time.sleep(3)
     assert kube.reached(moving) == kube.names(1)  # the last state keeps serving
+    status, body = agent.get(agent.healthz, "/healthz")
+    assert status == 200 and "lastUpdated" in body  # nothing queued: kube-proxy stays healthy
     kube.plane.launch("kube-apiserver")
     move(kube, ns, 2)
     eventually(lambda: kube.reached(moving) == kube.names(2), timeout=60, what="after restart")
@@ -124,3 +126,49 @@ def test_watch_connections_cut_mid_stream(kube, agent, services):
     eventually(lambda: kube.reached(moving) == kube.names(2), timeout=60, what="after the cut")
     eventually(lambda: agent.metric("kpr_watch_restarts_total") > restarts, what="resumed")
     assert_no_failure(client.result())
+
+
+def test_agent_killed_during_churn_converges_after_restart(kube, agent, services):
+    ns, steady, moving = services
+    client = SteadyClient(kube, steady)
+    for i, index in enumerate((0, 2, 1, 2)):
+        move(kube, ns, index)
+        if i == 1:
+            agent.process.send_signal(signal.SIGKILL)
+            agent.process.wait(10)
+            agent.start()
+    eventually(lambda: kube.reached(moving) == kube.names(2), timeout=30, what="converged")
+    assert_no_failure(client.result())  # the pinned maps served while kpr was down
+
+
+def test_drift_made_behind_kprs_back_is_repaired(kube, agent, services):
+    from kpr.datapath.maps import BpfMaps
+
+    ns, steady, moving = services
+    maps = BpfMaps(agent.pin_dir)
+    try:
+        frontend = next(f for f in maps.read().services if str(f) == f"{moving}:80/TCP")
+        maps.delete_services([(frontend, 0)])  # what `bpftool map delete` would do
+    finally:
+        maps.close()
+    eventually(lambda: kube.reached(moving) == kube.names(1), timeout=20, what="repaired")
+    assert "repaired" in agent.log.read_text()
+
+
+def test_a_hook_detached_behind_kprs_back_is_attached_again(kube, agent, services):
+    import os
+
+    from kpr.datapath import bpfsys, loader
+
+    ns, steady, moving = services
+    hook = next(h for h in loader.HOOKS if h.pin == "connect4")
+    prog = bpfsys.obj_get(loader.prog_pin(agent.pin_dir, hook))
+    cgroup = os.open(kube.lab.cgroup, os.O_RDONLY)
+    try:
+        bpfsys.prog_detach(prog, cgroup, hook.attach_type)  # what `bpftool cgroup detach` does
+    finally:
+        os.close(cgroup)
+        os.close(prog)
+    eventually(lambda: loader.attached_hooks(kube.lab.cgroup, agent.pin_dir)["connect4"])
+    assert kube.reached(steady) == kube.names(0)
+    assert "detached behind kpr's back: connect4" in agent.log.read_text()

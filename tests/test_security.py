@@ -19,11 +19,11 @@ import yaml
 
 from kpr import runstate
 from kpr.lab.netns import Lab
-from tests import kube, test_kubernetes
+from tests import kube, test_scripted_apiserver
 from tests.apiserver import TestApiServer
 from tests.test_agent import status_json
 
-agent = test_kubernetes.agent  # the same fixture: one KubeAgent per test
+agent = test_scripted_apiserver.agent  # the same fixture: one KubeAgent per test
 
 # documentation ranges (RFC 5737): never routed; only the connect hook makes them answer
 OUTSIDE_IP = "192.0.2.99"

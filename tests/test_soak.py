@@ -34,7 +34,7 @@ from tests.reliability import (
     wait_converged,
 )
 from tests.test_agent import KPR, status_json
-from tests.test_kubernetes import KubeAgent
+from tests.test_scripted_apiserver import KubeAgent
 
 ROUNDS = int(os.environ.get("KPR_SOAK_ROUNDS", 5))  # the first is the warm-up
 CHANGES_PER_ROUND = 600  # API writes of random churn, before the round's reset

@@ -1,0 +1,122 @@
+"""`kpr run` against tests/apiserver.py, for the faults a real API server cannot be made to
+produce at a chosen moment: watches dropped while the server stays up and its history
+expired at once (so the very next resume gets 410 Gone), and objects the real server would
+refuse to store (a Service with an invalid ClusterIP). Everything else kpr does with an API
+server is tested against the real kube-apiserver (test_real_apiserver*.py)."""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Callable
+
+import pytest
+
+from kpr.lab.netns import Lab
+from tests import kube
+from tests.apiserver import TestApiServer
+from tests.test_agent import KPR, AgentProcess
+
+VIP = "10.96.0.10"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class KubeAgent(AgentProcess):
+    def __init__(self, lab, api, pin_dir, log, sync_period: float = 30) -> None:
+        super().__init__(lab, log.parent, pin_dir, log)
+        self.healthz = free_port()
+        self.metrics = free_port()
+        self.args = [
+            *KPR, "run", "--devices", "none", "--master", api.url, "--node-name", "node-1",
+            "--cgroup", str(lab.cgroup), "--bpffs", str(pin_dir),
+            "--min-sync-period", "0", "--sync-period", str(sync_period),
+            "--healthz-bind-address", f"127.0.0.1:{self.healthz}",
+            "--metrics-bind-address", f"127.0.0.1:{self.metrics}",
+        ]  # fmt: skip
+
+    def get(self, port: int, path: str) -> tuple[int, str]:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=5) as r:
+                return r.status, r.read().decode()
+        except urllib.error.HTTPError as err:
+            return err.code, err.read().decode()
+
+    def metric(self, name: str) -> float:
+        """Sum of a metric's samples whose name and labels start with `name`."""
+        _, text = self.get(self.metrics, "/metrics")
+        return sum(
+            float(line.rsplit(" ", 1)[1])
+            for line in text.splitlines()
+            if line.startswith(name) and not line.startswith("#")
+        )
+
+
+@pytest.fixture
+def agent(lab, api, tmp_path, pin_dir):
+    process = KubeAgent(lab, api, pin_dir, tmp_path / "agent.log", sync_period=2)
+    yield process
+    process.kill()
+    subprocess.run([*KPR, "cleanup", "--bpffs", str(pin_dir)], capture_output=True)
+
+
+def echo(api: TestApiServer, lab: Lab, pods=(0, 1, 2)) -> None:
+    api.apply(kube.service("echo", [VIP], [("http", 80, "TCP")]))
+    slice_ = kube.endpoint_slice(
+        "echo", [str(lab.pods[i].ipv4) for i in pods], [("http", 8080, "TCP")], name="echo-abc"
+    )
+    api.apply(slice_)
+
+
+def reached(lab: Lab, count: int = 20) -> set[str]:
+    out = lab.run_client(
+        [sys.executable, "-m", "kpr.lab.probe", "tcp", VIP, "80", "--count", str(count)]
+    )
+    return {r.get("pod") or r["error"] for r in json.loads(out.stdout)["results"]}
+
+
+def eventually(check: Callable[[], object], timeout: float = 10.0) -> object:
+    deadline = time.monotonic() + timeout
+    while True:
+        value = check()
+        if value or time.monotonic() > deadline:
+            assert value, f"not within {timeout}s"
+            return value
+        time.sleep(0.1)
+
+
+def pods(lab: Lab, *indexes: int) -> set[str]:
+    return {lab.pods[i].name for i in indexes}
+
+
+def test_dropped_watches_and_410_on_resume_lose_no_change(lab, api, agent):
+    agent.start()
+    echo(api, lab)
+    eventually(lambda: reached(lab) == pods(lab, 0, 1, 2))
+    api.drop_watches()
+    echo(api, lab, pods=(0,))
+    eventually(lambda: reached(lab) == pods(lab, 0))
+    api.expire_history()
+    api.drop_watches()
+    echo(api, lab, pods=(2,))
+    eventually(lambda: reached(lab) == pods(lab, 2))
+    eventually(lambda: agent.metric("kpr_relists_total") >= 1)
+    assert agent.metric("kpr_watch_restarts_total") >= 1
+
+
+def test_invalid_objects_are_counted_and_skipped_while_others_work(lab, api, agent):
+    agent.start()
+    echo(api, lab)
+    bad = kube.service("bad", ["10.96.0.999"], [("http", 80, "TCP")])
+    api.apply(bad)
+    eventually(lambda: reached(lab) == pods(lab, 0, 1, 2))
+    eventually(lambda: agent.metric('kpr_invalid_objects_total{kind="Service"}') >= 1)
+    assert "Service default/bad" in agent.log.read_text()
