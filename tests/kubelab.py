@@ -34,6 +34,25 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def http_get(port: int, path: str) -> tuple[int, str]:
+    """GET http://127.0.0.1:port/path: (status, body), also for error statuses."""
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=5) as r:
+            return r.status, r.read().decode()
+    except urllib.error.HTTPError as err:
+        return err.code, err.read().decode()
+
+
+def metric_sum(port: int, name: str) -> float:
+    """Sum of the samples on a metrics port whose name and labels start with `name`."""
+    _, text = http_get(port, "/metrics")
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith(name) and not line.startswith("#")
+    )
+
+
 def eventually(check: Callable[[], object], timeout: float = 20.0, what: str = "") -> object:
     deadline = time.monotonic() + timeout
     value = None
@@ -183,17 +202,7 @@ class Agent:
         return {s["frontend"] for s in self.status()["services"]}
 
     def get(self, port: int, path: str) -> tuple[int, str]:
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=5) as r:
-                return r.status, r.read().decode()
-        except urllib.error.HTTPError as err:
-            return err.code, err.read().decode()
+        return http_get(port, path)
 
     def metric(self, name: str) -> float:
-        """Sum of the samples whose name and labels start with `name`."""
-        _, text = self.get(self.metrics, "/metrics")
-        return sum(
-            float(line.rsplit(" ", 1)[1])
-            for line in text.splitlines()
-            if line.startswith(name) and not line.startswith("#")
-        )
+        return metric_sum(self.metrics, name)

@@ -11,7 +11,6 @@ import socket
 import subprocess
 import sys
 import time
-import urllib.request
 from collections.abc import Callable
 
 import pytest
@@ -19,6 +18,7 @@ import pytest
 from kpr.lab.netns import Lab
 from tests import kube
 from tests.apiserver import TestApiServer
+from tests.kubelab import http_get, metric_sum
 from tests.test_agent import KPR, AgentProcess
 
 VIP = "10.96.0.10"
@@ -44,20 +44,10 @@ class KubeAgent(AgentProcess):
         ]  # fmt: skip
 
     def get(self, port: int, path: str) -> tuple[int, str]:
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=5) as r:
-                return r.status, r.read().decode()
-        except urllib.error.HTTPError as err:
-            return err.code, err.read().decode()
+        return http_get(port, path)
 
     def metric(self, name: str) -> float:
-        """Sum of a metric's samples whose name and labels start with `name`."""
-        _, text = self.get(self.metrics, "/metrics")
-        return sum(
-            float(line.rsplit(" ", 1)[1])
-            for line in text.splitlines()
-            if line.startswith(name) and not line.startswith("#")
-        )
+        return metric_sum(self.metrics, name)
 
 
 @pytest.fixture
