@@ -158,6 +158,21 @@ def _set_ready(core, namespace: str, name: str, ips: list[str], ready: bool, at:
     )  # fmt: skip
 
 
+def _wait_gone(core, namespace: str, timeout: float = SYNC_TIMEOUT_S) -> None:
+    from kubernetes.client.rest import ApiException
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            core.read_namespace(namespace)
+        except ApiException as err:
+            if err.status == 404:
+                return
+            raise
+        time.sleep(1)
+    raise RuntimeError(f"namespace {namespace} not deleted within {timeout:.0f}s")
+
+
 def run_size(plane: ControlPlane, lab: Lab, metrics_port: int, services: int, changes: int) -> dict:
     core = objects.core_api(plane.kubeconfig)
     ns = f"sli-{services}"
@@ -236,6 +251,7 @@ def run_size(plane: ControlPlane, lab: Lab, metrics_port: int, services: int, ch
         client.stdin.close()
         client.wait(10)
     core.delete_namespace(ns)
+    _wait_gone(core, ns)  # the next size starts with this one's Services gone
     every = latencies["up"] + latencies["down"]
     return {
         "services": services,
