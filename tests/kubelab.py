@@ -61,7 +61,7 @@ def eventually(check: Callable[[], object], timeout: float = 20.0, what: str = "
         if value:
             return value
         time.sleep(0.2)
-    raise AssertionError(f"not within {timeout}s: {what or check} (last: {value!r})")
+    raise AssertionError(f"not within {timeout}s: {what or check}")
 
 
 class Kube:

@@ -143,12 +143,7 @@ def write_services(cluster, source: Path) -> None:
 
 
 def probe(cluster, kind: str, address: str, port: int, count: int = 1, source: str = CLIENT):
-    """Probe results from the external client, bound to `source`."""
-    argv = [sys.executable, "-m", "kpr.lab.probe", kind, address, str(port), "--count", str(count)]
-    argv += ["--bind", source] if ":" not in address else []
-    out = subprocess.run(cluster.client_command(argv), capture_output=True, text=True, timeout=60)
-    assert out.returncode == 0, out.stderr
-    return json.loads(out.stdout)["results"]
+    return cluster.probe(kind, address, port, count, source)
 
 
 def test_node_port_reaches_local_and_remote_backends_masquerading_only_the_remote(cluster, agents):
@@ -181,22 +176,7 @@ def test_local_policy_keeps_the_client_address_and_drops_where_no_endpoint_is_lo
 
 def test_health_check_node_port_answers_per_node(cluster, agents):
     n1, n2 = cluster.nodes
-    script = (
-        "import sys, urllib.request, urllib.error\n"
-        "try:\n    r = urllib.request.urlopen(sys.argv[1], timeout=5)\n"
-        "except urllib.error.HTTPError as e:\n    r = e\n"
-        "print(r.status, r.headers['X-Load-Balancing-Endpoint-Weight'], r.read().decode())"
-    )
-    answers = {}
-    for node in (n1, n2):
-        url = f"http://{node.ipv4}:32081/"
-        out = subprocess.run(
-            cluster.client_command([sys.executable, "-c", script, url]),
-            capture_output=True,
-            text=True,
-        )
-        status, weight, body = out.stdout.split(" ", 2)
-        answers[node.name] = (int(status), weight, json.loads(body)["localEndpoints"])
+    answers = {node.name: cluster.health_check(node, 32081) for node in (n1, n2)}
     assert answers == {"node-1": (200, "2", 2), "node-2": (503, "0", 0)}  # per port, as upstream
 
 

@@ -19,6 +19,8 @@ machine's own network namespace.
 
 from __future__ import annotations
 
+import json
+import subprocess
 import sys
 from ipaddress import IPv4Address, IPv6Address, ip_address
 from pathlib import Path
@@ -121,6 +123,34 @@ class Cluster:
 
     def client_command(self, argv: list[str]) -> list[str]:
         return ["ip", "netns", "exec", self.client_netns, *argv]
+
+    def probe(
+        self, kind: str, address: str, port: int, count: int = 1, source: str | None = None
+    ) -> list[dict]:
+        """`kpr.lab.probe` results from the external client (bound to `source`, IPv4)."""
+        argv = [sys.executable, "-m", "kpr.lab.probe", kind, address, str(port)]
+        argv += ["--count", str(count)]
+        argv += ["--bind", source] if source and ":" not in address else []
+        out = subprocess.run(self.client_command(argv), capture_output=True, text=True, timeout=60)
+        if out.returncode != 0:
+            raise RuntimeError(f"probe {kind} {address}:{port} failed: {out.stderr.strip()}")
+        return json.loads(out.stdout)["results"]
+
+    def health_check(self, node: Node, port: int) -> tuple[int, str, int]:
+        """A load balancer's view of a healthCheckNodePort on `node`: (HTTP status,
+        X-Load-Balancing-Endpoint-Weight, localEndpoints)."""
+        script = (
+            "import sys, urllib.request, urllib.error\n"
+            "try:\n    r = urllib.request.urlopen(sys.argv[1], timeout=5)\n"
+            "except urllib.error.HTTPError as e:\n    r = e\n"
+            "print(r.status, r.headers['X-Load-Balancing-Endpoint-Weight'], r.read().decode())"
+        )
+        url = f"http://{node.ipv4}:{port}/"
+        out = subprocess.run(
+            self.client_command([sys.executable, "-c", script, url]), capture_output=True, text=True
+        )
+        status, weight, body = out.stdout.split(" ", 2)
+        return int(status), weight, json.loads(body)["localEndpoints"]
 
     def agent_command(self, node: Node, source: Path, pin_dir: Path, *extra: str) -> list[str]:
         """`kpr run` for one node: in its netns (nsenter keeps the machine's /sys, where
