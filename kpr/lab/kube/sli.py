@@ -2,9 +2,10 @@
 
     python -m kpr.lab.kube.sli --services 1000,10000 --changes 100 [--json FILE]
 
-For each cluster size N: N Services (10 endpoints each: the same 10 Ready lab pods) created
-through the API, kpr (its defaults, its ServiceAccount's RBAC only) programming them; then, on
-one more Service, `--changes` changes, one at a time and more than kpr's minSyncPeriod apart:
+For each cluster size N, smallest first, in one namespace that grows: N Services (10 endpoints
+each: the same 10 Ready lab pods) created through the API, the EndpointSlice controller done
+with all of them, kpr (its defaults, its ServiceAccount's RBAC only) serving them; then, on
+the measured Service, `--changes` changes, one at a time and more than kpr's minSyncPeriod apart:
 a pod's status set Ready in the API → the EndpointSlice controller's update → kpr's maps → the
 first connection from the lab client that reaches that pod; then the pod set not Ready → the
 first connection refused, and so on. (Changes closer together than minSyncPeriod wait for it,
@@ -30,11 +31,14 @@ from concurrent.futures import ThreadPoolExecutor
 from datetime import UTC, datetime
 from pathlib import Path
 
+from kubernetes import client
+
 from kpr.lab.kube import build, objects
 from kpr.lab.kube.controlplane import ControlPlane, free_port
 from kpr.lab.netns import Lab
 
 NODE = "node-1"
+NAMESPACE = "sli"
 BACKGROUND_PODS = 10
 PORT = 80
 SYNC_TIMEOUT_S = 600.0
@@ -158,113 +162,132 @@ def _set_ready(core, namespace: str, name: str, ips: list[str], ready: bool, at:
     )  # fmt: skip
 
 
-def _wait_gone(core, namespace: str, timeout: float = SYNC_TIMEOUT_S) -> None:
-    from kubernetes.client.rest import ApiException
+class Cluster:
+    """One namespace that grows from size to size: the background Services (all selecting
+    the same BACKGROUND_PODS Ready pods) and the measured Service with its one pod."""
 
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            core.read_namespace(namespace)
-        except ApiException as err:
-            if err.status == 404:
-                return
-            raise
-        time.sleep(1)
-    raise RuntimeError(f"namespace {namespace} not deleted within {timeout:.0f}s")
+    def __init__(self, plane: ControlPlane, lab: Lab, metrics_port: int) -> None:
+        self.core = objects.core_api(plane.kubeconfig)
+        self.discovery = client.DiscoveryV1Api(self.core.api_client)
+        self.lab = lab
+        self.metrics_port = metrics_port
+        self.background = 0
+        self.core.create_namespace({"metadata": {"name": NAMESPACE}})
+        while not self.core.list_namespaced_service_account(NAMESPACE).items:
+            time.sleep(0.2)
+        for i in range(BACKGROUND_PODS):
+            ips = [str(lab.pods[i].ipv4)]
+            objects.create_pod(self.core, NAMESPACE, f"bg-{i}", NODE, ips, {"app": "bg"})
+        self.ips = [str(lab.pods[BACKGROUND_PODS].ipv4)]
+        objects.create_pod(self.core, NAMESPACE, "sli", NODE, self.ips, {"app": "sli"}, False)
+        self.vip = self.core.create_namespaced_service(
+            NAMESPACE, _service("sli", "sli")
+        ).spec.cluster_ip
 
+    def grow_to(self, services: int) -> dict:
+        """Create background Services until there are `services` with the measured one; wait
+        until the controller has written every slice and kpr serves the last one."""
+        started = time.monotonic()
+        wanted = services - 1
+        with ThreadPoolExecutor(8) as pool:
+            list(pool.map(lambda i: self.core.create_namespaced_service(
+                NAMESPACE, _service(f"bg-{i}", "bg")), range(self.background, wanted)))  # fmt: skip
+        self.background = wanted
+        created_s = time.monotonic() - started
+        deadline = time.monotonic() + SYNC_TIMEOUT_S
+        while self._full_slices() < wanted:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the controller did not write {wanted} slices in time")
+            time.sleep(5)
+        sliced_s = time.monotonic() - started
+        last = self.core.read_namespaced_service(f"bg-{wanted - 1}", NAMESPACE).spec.cluster_ip
+        with _Client(self.lab, last, SYNC_TIMEOUT_S) as probe:
+            if probe.wait_for("up")["outcome"] == "timeout":
+                raise RuntimeError(f"{services} Services not served within {SYNC_TIMEOUT_S:.0f}s")
+        return {
+            "services": services,
+            "endpoints_per_service": BACKGROUND_PODS,
+            "create_s": round(created_s, 1),
+            "controller_done_s": round(sliced_s, 1),
+        }
 
-def run_size(plane: ControlPlane, lab: Lab, metrics_port: int, services: int, changes: int) -> dict:
-    core = objects.core_api(plane.kubeconfig)
-    ns = f"sli-{services}"
-    core.create_namespace({"metadata": {"name": ns}})
-    while not core.list_namespaced_service_account(ns).items:
-        time.sleep(0.2)
-    for i in range(BACKGROUND_PODS):
-        pod = lab.pods[i]
-        objects.create_pod(core, ns, f"bg-{i}", NODE, [str(pod.ipv4)], {"app": "bg"})
-    body = {"spec": {"selector": {"app": "bg"},
-                     "ports": [{"port": PORT, "protocol": "TCP", "targetPort": 8080}]}}  # fmt: skip
-    started = time.monotonic()
-    with ThreadPoolExecutor(8) as pool:
-        list(
-            pool.map(
-                lambda i: core.create_namespaced_service(
-                    ns, {"metadata": {"name": f"bg-{i}"}, **body}
-                ),
-                range(services - 1),
-            )
+    def _full_slices(self) -> int:
+        """Background slices holding all BACKGROUND_PODS endpoints."""
+        found = self.discovery.list_namespaced_endpoint_slice(
+            NAMESPACE, label_selector="kubernetes.io/service-name", _preload_content=False
         )
-    created_s = time.monotonic() - started
-    measured = lab.pods[BACKGROUND_PODS]
-    ips = [str(measured.ipv4)]
-    objects.create_pod(core, ns, "sli", NODE, ips, {"app": "sli"}, ready=False)
-    vip = core.create_namespaced_service(
-        ns, {"metadata": {"name": "sli"}, "spec": {**body["spec"], "selector": {"app": "sli"}}}
-    ).spec.cluster_ip
-    last = core.read_namespaced_service(f"bg-{services - 2}", ns).spec.cluster_ip
-    client = lab.popen_client(
-        [sys.executable, "-m", "kpr.lab.kube.sli", "client", last, str(PORT), str(SYNC_TIMEOUT_S)],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        text=True,
-    )
-    try:
-        # Every Service programmed: the last one created answers.
-        client.stdin.write("up\n")
-        client.stdin.flush()
-        if json.loads(client.stdout.readline())["outcome"] == "timeout":
-            raise RuntimeError(f"{services} Services not served within {SYNC_TIMEOUT_S:.0f}s")
-        programmed_s = time.monotonic() - started
-        client.stdin.close()
-        client.wait(10)
-    finally:
-        if client.poll() is None:
-            client.kill()
-    client = lab.popen_client(
-        [sys.executable, "-m", "kpr.lab.kube.sli", "client", vip, str(PORT), str(CHANGE_TIMEOUT_S)],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        text=True,
-    )
-    latencies: dict[str, list[float]] = {"up": [], "down": []}
-    before = _histogram(metrics_port)
-    failures = []
-    try:
-        for k in range(changes):
-            want = "up" if k % 2 == 0 else "down"
-            # More than kpr's minSyncPeriod (1 s) after the last sync: one change at a time,
-            # not one change waiting for the rate limit a previous one set off.
-            time.sleep(MIN_SYNC_PERIOD_S)
-            at = _wait_whole_second()
-            wrote = time.time()
-            _set_ready(core, ns, "sli", ips, want == "up", at)
-            client.stdin.write(f"{want}\n")
-            client.stdin.flush()
-            seen = json.loads(client.stdout.readline())
-            if seen["outcome"] == "timeout":
-                failures.append(f"change {k} ({want}) not seen within {CHANGE_TIMEOUT_S}s")
-                continue
-            latencies[want].append(seen["t"] - wrote)
+        items = json.loads(found.data)["items"]
+        return sum(
+            1
+            for s in items
+            if s["metadata"]["labels"]["kubernetes.io/service-name"].startswith("bg-")
+            and len(s.get("endpoints") or []) == BACKGROUND_PODS
+        )
+
+    def measure(self, changes: int) -> dict:
+        latencies: dict[str, list[float]] = {"up": [], "down": []}
+        failures = []
+        before = _histogram(self.metrics_port)
+        with _Client(self.lab, self.vip, CHANGE_TIMEOUT_S) as probe:
+            for k in range(changes):
+                want = "up" if k % 2 == 0 else "down"
+                # More than kpr's minSyncPeriod (1 s) after the last sync: one change at a
+                # time, not one change waiting for the rate limit a previous one set off.
+                time.sleep(MIN_SYNC_PERIOD_S)
+                at = _wait_whole_second()
+                wrote = time.time()
+                _set_ready(self.core, NAMESPACE, "sli", self.ips, want == "up", at)
+                seen = probe.wait_for(want)
+                if seen["outcome"] == "timeout":
+                    failures.append(f"change {k} ({want}) not seen within {CHANGE_TIMEOUT_S}s")
+                    continue
+                latencies[want].append(seen["t"] - wrote)
         time.sleep(1.5)  # kpr's histogram observes at the end of its sync
-        after = _histogram(metrics_port)
-    finally:
-        client.stdin.close()
-        client.wait(10)
-    core.delete_namespace(ns)
-    _wait_gone(core, ns)  # the next size starts with this one's Services gone
-    every = latencies["up"] + latencies["down"]
+        after = _histogram(self.metrics_port)
+        every = latencies["up"] + latencies["down"]
+        return {
+            "changes": len(every),
+            "sli_s": _quantiles(every) if every else {},
+            "ready_s": _quantiles(latencies["up"]) if latencies["up"] else {},
+            "not_ready_s": _quantiles(latencies["down"]) if latencies["down"] else {},
+            "kpr_histogram_s": _histogram_quantiles(before, after),
+            "failures": failures,
+        }
+
+
+def _service(name: str, app: str) -> dict:
     return {
-        "services": services,
-        "endpoints_per_service": BACKGROUND_PODS,
-        "create_s": round(created_s, 1),
-        "all_programmed_s": round(programmed_s, 1),
-        "changes": len(every),
-        "sli_s": _quantiles(every) if every else {},
-        "ready_s": _quantiles(latencies["up"]) if latencies["up"] else {},
-        "not_ready_s": _quantiles(latencies["down"]) if latencies["down"] else {},
-        "kpr_histogram_s": _histogram_quantiles(before, after),
-        "failures": failures,
+        "metadata": {"name": name},
+        "spec": {
+            "selector": {"app": app},
+            "ports": [{"port": PORT, "protocol": "TCP", "targetPort": 8080}],
+        },
     }
+
+
+class _Client:
+    """The lab client (client_main) in kpr's cgroup, asked for one outcome at a time."""
+
+    def __init__(self, lab: Lab, address: str, timeout: float) -> None:
+        argv = [sys.executable, "-m", "kpr.lab.kube.sli", "client", address, str(PORT)]
+        self.process = lab.popen_client(
+            [*argv, str(timeout)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+        )
+
+    def __enter__(self) -> _Client:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.process.stdin.close()
+        try:
+            self.process.wait(10)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+
+    def wait_for(self, want: str) -> dict:
+        self.process.stdin.write(f"{want}\n")
+        self.process.stdin.flush()
+        return json.loads(self.process.stdout.readline())
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -294,26 +317,26 @@ def main(argv: list[str] | None = None) -> int:
             core = objects.core_api(plane.kubeconfig)
             objects.create_node(core, NODE, "zone-a")
             identity = objects.install_kpr_identity(plane, bin_dir, directory / "kpr.kubeconfig")
-            for size in sizes:
-                pin = Path("/sys/fs/bpf") / f"kpr-sli-{uuid.uuid4().hex[:8]}"
-                metrics = free_port()
-                log = directory / f"agent-{size}.log"
-                with log.open("w") as out:
-                    agent = subprocess.Popen(
-                        [*KPR, "run", "--devices", "none", "--kubeconfig", str(identity),
-                         "--node-name", NODE, "--cgroup", str(lab.cgroup), "--bpffs", str(pin),
-                         "--healthz-bind-address", f"127.0.0.1:{free_port()}",
-                         "--metrics-bind-address", f"127.0.0.1:{metrics}"],
-                        stdout=out, stderr=subprocess.STDOUT,
-                    )  # fmt: skip
-                try:
-                    result = run_size(plane, lab, metrics, size, args.changes)
-                finally:
-                    agent.terminate()
-                    agent.wait(30)
-                    subprocess.run([*KPR, "cleanup", "--bpffs", str(pin)], capture_output=True)
-                results.append(result)
-                print(json.dumps(result), flush=True)
+            pin = Path("/sys/fs/bpf") / f"kpr-sli-{uuid.uuid4().hex[:8]}"
+            metrics = free_port()
+            with (directory / "agent.log").open("w") as out:
+                agent = subprocess.Popen(
+                    [*KPR, "run", "--devices", "none", "--kubeconfig", str(identity),
+                     "--node-name", NODE, "--cgroup", str(lab.cgroup), "--bpffs", str(pin),
+                     "--healthz-bind-address", f"127.0.0.1:{free_port()}",
+                     "--metrics-bind-address", f"127.0.0.1:{metrics}"],
+                    stdout=out, stderr=subprocess.STDOUT,
+                )  # fmt: skip
+            try:
+                cluster = Cluster(plane, lab, metrics)
+                for size in sorted(sizes):
+                    result = {**cluster.grow_to(size), **cluster.measure(args.changes)}
+                    results.append(result)
+                    print(json.dumps(result), flush=True)
+            finally:
+                agent.terminate()
+                agent.wait(30)
+                subprocess.run([*KPR, "cleanup", "--bpffs", str(pin)], capture_output=True)
     report = {
         "kubernetes": build.kubernetes_version(),
         "when": datetime.now(UTC).isoformat(timespec="seconds"),
