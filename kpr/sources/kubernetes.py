@@ -27,6 +27,7 @@ from kubernetes.client.rest import ApiException
 from kubernetes.watch.watch import iter_resp_lines
 
 from kpr.gcpause import paused_gc
+from kpr.health import node_is_deleting
 from kpr.model import EndpointSlice, ObjectRef, Problem, Service, ServiceKey, Snapshot
 from kpr.objects import ObjectError, parse_endpoint_slice, parse_service
 
@@ -365,9 +366,9 @@ class KubernetesSource:
         if resource == "node":
             nodes = list(items)
             with self._lock:
-                self._node(nodes[0] if nodes else None)
-                self._store.everything_changed = True
-            self._changes.set()
+                changed = self._node(nodes[0] if nodes else None)
+            if changed:
+                self._changes.set()
             return
         fresh: dict[ObjectRef, Service | EndpointSlice] = {}
         problems: dict[ObjectRef, Problem | None] = {}
@@ -397,8 +398,10 @@ class KubernetesSource:
     def _event(self, resource: str, kind: str, obj: dict) -> None:
         with self._lock:
             if resource == "node":
-                self._node(None if kind == "DELETED" else obj)
-                self._store.everything_changed = True
+                # kubelet heartbeats update the Node every few seconds: only a change
+                # of what kpr uses (zone, being deleted) is worth a full sync
+                if not self._node(None if kind == "DELETED" else obj):
+                    return
             else:
                 table = self._table(resource)
                 ref = _ref(resource, obj)
@@ -439,10 +442,18 @@ class KubernetesSource:
             else:
                 entries.pop((resource, ref), None)
 
-    def _node(self, obj: dict | None) -> None:
+    def _node(self, obj: dict | None) -> bool:
+        """Take what kpr uses from this Node; whether any of it changed (then all of
+        the state is translated again: topology hints depend on the zone)."""
         metadata = (obj or {}).get("metadata") or {}
-        self._store.zone = (metadata.get("labels") or {}).get(ZONE_LABEL)
-        self._store.node_deleting = bool(metadata.get("deletionTimestamp"))
+        zone = (metadata.get("labels") or {}).get(ZONE_LABEL)
+        deleting = obj is not None and node_is_deleting(obj)
+        store = self._store
+        if (zone, deleting) == (store.zone, store.node_deleting):
+            return False
+        store.zone, store.node_deleting = zone, deleting
+        store.everything_changed = True
+        return True
 
     # --- the agent's side ----------------------------------------------------------
 
