@@ -84,7 +84,9 @@ class SyncResult:
     failed: int
     services_changed: int  # -1: all
     trigger_times: list[float] = field(default_factory=list)  # of the slices applied
-    drift_repaired: int = 0
+    drift_repaired: int = 0  # frontends whose map entries were written again
+    attachments_repaired: int = 0  # cgroup hooks and TC filters attached again
+    pins_repaired: int = 0  # pins put back
 
 
 def _limit_malloc_arenas() -> None:
@@ -220,6 +222,7 @@ class Agent:
         touched: set[Frontend] = set()
         for key in snapshot.changed:
             self.desired.health_checks.pop(key, None)
+            self.desired.no_local_endpoints.pop(key, None)
             for frontend in self.frontends_of.pop(key, set()):
                 self.desired.frontends.pop(frontend, None)
                 self.desired.held.discard(frontend)
@@ -250,6 +253,7 @@ class Agent:
                 self.desired.frontends[frontend] = partial.frontends[frontend]
             touched.add(frontend)
         self.desired.health_checks.update(partial.health_checks)
+        self.desired.no_local_endpoints.update(partial.no_local_endpoints)
         return touched
 
     # --- syncing ----------------------------------------------------------------
@@ -265,10 +269,10 @@ class Agent:
         began = time.perf_counter()
         touched = self._translate(snapshot) if snapshot is not None else set()
         full = full or touched is None
-        drift = 0
+        drift = pins = attachments = 0
         if full:
-            self._repair_pins()
-            self._repair_attachments()
+            pins = self._repair_pins()
+            attachments = self._repair_attachments()
             reread = self.maps.read()
             drift = _drift(self.programmed, reread)
             self.programmed = reread
@@ -343,6 +347,8 @@ class Agent:
             if snapshot is not None and snapshot.changed is not None
             else [],
             drift_repaired=drift if writes else 0,
+            attachments_repaired=attachments,
+            pins_repaired=pins,
         )
         if writes:
             log.info(
@@ -369,12 +375,13 @@ class Agent:
         if self.health_checks is not None:
             self.health_problems = self.health_checks.update(self.desired.health_checks)
 
-    def _repair_pins(self) -> None:
+    def _repair_pins(self) -> int:
         """Pins removed behind kpr's back (`rm -r /sys/fs/bpf/kpr`) are put back: the maps
         from the agent's open descriptors, the programs from what is attached. Without
-        them `kpr status` sees nothing and a restart would start from empty maps."""
+        them `kpr status` sees nothing and a restart would start from empty maps. How
+        many were put back."""
         if not self._attached or self.maps is None or self.cgroup is None:
-            return
+            return 0
         pin_dir = self.config.pin_dir
         restored = self.maps.repin() + loader.repin_programs(pin_dir, self.cgroup)
         if self.config.devices:
@@ -382,12 +389,15 @@ class Agent:
         if restored:
             log.warning("pins removed behind kpr's back, pinned again: %s", ", ".join(restored))
             self.repairs += len(restored)
+        return len(restored)
 
-    def _repair_attachments(self) -> None:
+    def _repair_attachments(self) -> int:
         """A hook detached behind kpr's back (bpftool cgroup detach, a cleanup script)
-        is attached again; the pinned programs are reused, nothing is compiled."""
+        is attached again; the pinned programs are reused, nothing is compiled. How many
+        hooks and TC filters were attached again."""
         if self.cgroup is None or not self._attached:
-            return
+            return 0
+        repaired = 0
         missing = [
             h for h, ok in loader.attached_hooks(self.cgroup, self.config.pin_dir).items() if not ok
         ]
@@ -397,6 +407,7 @@ class Agent:
             )
             loader.reattach(self.config.pin_dir, self.cgroup, missing)
             self.repairs += len(missing)
+            repaired += len(missing)
         names = [d.name for d in self.config.devices]
         if names:
             gone = [n for n, ok in tc.attached(names, self.config.pin_dir).items() if not ok]
@@ -404,6 +415,8 @@ class Agent:
                 log.warning("TC programs gone from %s; attaching them again", ", ".join(gone))
                 tc.attach(self.config.pin_dir, gone)
                 self.repairs += len(gone)
+                repaired += len(gone)
+        return repaired
 
     def _udp_backends(self, frontends: set[Frontend] | None) -> set[Backend]:
         """Backends that UDP frontends (these, or all) send to in the maps."""
