@@ -74,6 +74,7 @@ class AgentConfig:
     devices: tuple[Device, ...] = ()  # where the TC program serves external traffic
     min_sync_period: float = 1.0  # at most one sync per this, under churn
     sync_period: float = 30.0  # a full sync at least this often, repairing drift
+    kubeconfig: str | None = None  # recorded for `kpr status NAMESPACE/NAME`
 
 
 @dataclass
@@ -162,6 +163,8 @@ class Agent:
         self.state = runstate.RunState(str(cfg.pin_dir), str(cgroup), self.source.description)
         self.state.devices = {d.name: [str(a) for a in d.addresses] for d in cfg.devices}
         self.state.node_port_addresses = [str(a) for a in cfg.node.node_port_addresses]
+        self.state.node = node_record(cfg.node)
+        self.state.kubeconfig = cfg.kubeconfig
         self.state.conflicts = conflicts.kube_proxy_rules() + conflicts.foreign_programs(cgroup)
         for conflict in self.state.conflicts:
             log.warning("conflict: %s", conflict)
@@ -458,12 +461,14 @@ class Agent:
         unsaved, self._unsaved = self._unsaved, None
         desired = Translation(dict(self.desired.frontends), set(self.desired.held))
         watches = self.source.status()
+        node = node_record(self.node)  # the zone may have changed
 
         def write() -> None:
             with self._state_lock:
                 if unsaved is not None:
                     self.state.record(desired, *unsaved)
                 self.state.watches = watches
+                self.state.node = node
                 self.state.save()
 
         self._saved_at = time.monotonic()
@@ -534,6 +539,33 @@ class Agent:
         self.source.stop()
         self._save_state(wait=True)
         log.info("stopping; programs stay attached and maps pinned (pid %d)", os.getpid())
+
+
+def node_record(node: NodeContext) -> dict:
+    """A NodeContext for the run state file (`kpr status` rebuilds it with node_context)."""
+    cidrs = node.external_ip_cidrs
+    return {
+        "name": node.name,
+        "zone": node.zone,
+        "proxy_name": node.proxy_name,
+        "node_port_addresses": [str(a) for a in node.node_port_addresses],
+        "localhost_node_ports": node.localhost_node_ports,
+        "external_ip_cidrs": None if cidrs is None else [str(c) for c in cidrs],
+    }
+
+
+def node_context(record: dict) -> NodeContext:
+    from ipaddress import ip_address, ip_network
+
+    cidrs = record.get("external_ip_cidrs")
+    return NodeContext(
+        name=record.get("name"),
+        zone=record.get("zone"),
+        proxy_name=record.get("proxy_name", "kpr"),
+        node_port_addresses=tuple(ip_address(a) for a in record.get("node_port_addresses", [])),
+        localhost_node_ports=record.get("localhost_node_ports", True),
+        external_ip_cidrs=None if cidrs is None else tuple(ip_network(c) for c in cidrs),
+    )
 
 
 def _drift(expected, actual) -> int:
