@@ -57,3 +57,16 @@ def test_drift_repairs_are_counted_by_what_was_repaired() -> None:
     telemetry.synced(repaired)
     telemetry.synced(repaired)
     assert [value(metrics, name, object=o) for o in ("frontend", "attachment", "pin")] == [6, 4, 2]
+
+
+def test_a_draining_node_makes_healthz_unhealthy_after_the_next_sync() -> None:
+    metrics = Metrics()
+    health = ProxyHealth(30.0)
+    telemetry = Telemetry(health, metrics)
+    agent = SimpleNamespace(
+        observers=[], maps=None, desired=Translation(), node_deleting=True, map_fill=dict
+    )
+    telemetry.attach(agent)  # type: ignore[arg-type]
+    telemetry.synced(SyncResult(full=True, writes=0, seconds=0.01, failed=0, services_changed=-1))
+    assert health.snapshot()["nodeEligible"] is False
+    assert health.healthy()  # /livez ignores the Node
