@@ -12,12 +12,15 @@ import sys
 import threading
 from enum import StrEnum
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
 from kpr import __version__, host, runstate
 from kpr.model import NodeContext
+
+if TYPE_CHECKING:
+    from kpr.serving import BackgroundServer
 
 app = typer.Typer(
     add_completion=False,
@@ -58,7 +61,7 @@ def _fail(err: Exception) -> None:
     raise typer.Exit(2)
 
 
-def _bind(server, flag: str, address: str) -> None:  # noqa: ANN001 (a BackgroundServer)
+def _bind(server: BackgroundServer, flag: str, address: str) -> None:
     """Take a listening port before anything is compiled or pinned; a port in use is a
     set-up error naming the port and the process holding it (often kube-proxy)."""
     try:
@@ -153,6 +156,7 @@ def run(
         level=log_level.value.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     log = logging.getLogger("kpr")
+    servers: list[BackgroundServer] = []  # bound before the agent starts; closed again if it cannot
     try:
         host.require_root()
         proxy = ProxyConfig()
@@ -217,7 +221,6 @@ def run(
             kubeconfig=kubeconfig or proxy.kubeconfig,
         )
         health = ProxyHealth(proxy.sync_period)
-        servers = []
         if proxy.healthz_bind_address:
             server = HealthServer(health, metrics, *split_host_port(proxy.healthz_bind_address))
             _bind(server, "--healthz-bind-address", proxy.healthz_bind_address)
@@ -237,7 +240,7 @@ def run(
         for server in servers:
             server.start()
     except (host.SetupError, ConfigError, ValueError, OSError) as err:
-        for server in servers if "servers" in locals() else []:
+        for server in servers:
             server.stop()
         _fail(err)
     stop = threading.Event()

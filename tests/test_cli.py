@@ -235,3 +235,29 @@ def test_nothing_listens_here_by_accident() -> None:
         assert port_holders(port) == [
             f"pid {os.getpid()} ({Path('/proc/self/comm').read_text().strip()})"
         ]
+
+
+def test_run_with_kube_proxys_configmap_lists_from_the_server_it_names(
+    lab, api, pin_dir, tmp_path: Path
+) -> None:
+    """The whole path: --config → clientConnection.kubeconfig → kubeconfig.conf's server
+    and tokenFile → the first sync, with no --master."""
+    from tests.test_scripted_apiserver import KubeAgent
+
+    config_dir = mount_kube_proxy_configmap(tmp_path, api.url)
+    agent = KubeAgent(lab, api, pin_dir, tmp_path / "agent.log")
+    at = agent.args.index("--master")
+    agent.args[at : at + 2] = ["--config", str(config_dir / "config.conf")]
+    agent.start()
+    try:
+        state = agent.wait_synced()
+        assert state.source == f"kubernetes:{api.url}"
+        assert state.kubeconfig == str(config_dir / "kubeconfig.conf")
+        code, body = agent.get(agent.metrics, "/configz")
+        shown = json.loads(body)["kubeproxy.config.k8s.io"]
+        assert code == 200 and shown["clusterCIDR"] == "10.244.0.0/16"
+    finally:
+        agent.kill()
+        subprocess.run([*KPR, "cleanup", "--bpffs", str(pin_dir)], capture_output=True)
+    log = (tmp_path / "agent.log").read_text()
+    assert "clusterCIDR 10.244.0.0/16 is not used" in log
