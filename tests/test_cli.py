@@ -261,3 +261,24 @@ def test_run_with_kube_proxys_configmap_lists_from_the_server_it_names(
         subprocess.run([*KPR, "cleanup", "--bpffs", str(pin_dir)], capture_output=True)
     log = (tmp_path / "agent.log").read_text()
     assert "clusterCIDR 10.244.0.0/16 is not used" in log
+
+
+def test_status_reads_one_service_and_its_slices_from_the_api_server(api) -> None:
+    """`kpr status NAMESPACE/NAME` against an API source: list with selectors (the verbs
+    kpr's ClusterRole grants), other Services' slices left out, invalid slices named."""
+    from kpr.status import service_objects
+    from tests.kube import endpoint_slice, service
+
+    api.apply(service("web", ["10.96.0.10"], [("http", 80, "TCP")]))
+    api.apply(service("web", ["10.96.0.11"], [("http", 80, "TCP")], namespace="other"))
+    api.apply(endpoint_slice("web", ["10.244.0.5"], [("http", 8080, "TCP")]))
+    api.apply(endpoint_slice("web", ["10.244.9.9"], [("http", 8080, "TCP")], namespace="other"))
+    bad = endpoint_slice("web", ["10.244.0.6"], [("http", 8080, "TCP")], name="web-bad")
+    bad["endpoints"][0]["addresses"] = ["not-an-ip"]
+    api.apply(bad)
+    found, slices, problems = service_objects(f"kubernetes:{api.url}", "default", "web", None, None)
+    assert found is not None and (found.namespace, found.name) == ("default", "web")
+    assert [s.name for s in slices] == ["web-ipv4"]
+    assert len(problems) == 1 and problems[0].startswith("EndpointSlice default/web-bad:")
+    verbs = {params.get("watch") for _, _, params in api.requests}
+    assert verbs == {None}  # lists only
