@@ -21,7 +21,8 @@ from collections import OrderedDict
 POLL_INTERVAL = 0.05  # how soon stop() is noticed, and a waiting request is picked up
 REQUEST_TIMEOUT = 10.0  # seconds a client has to send its request (and to read the reply)
 MAX_CONNECTIONS = 64  # requests served at once, a thread each
-MAX_WAITING = 1024  # connections waiting for their request to begin (a descriptor each)
+MAX_WAITING = 128  # connections waiting for their request to begin: a descriptor each, and
+# the agent needs its descriptors (maps, netlink) under a soft RLIMIT_NOFILE of 1024 on hosts
 LISTEN_BACKLOG = 128
 
 
