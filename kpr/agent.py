@@ -74,6 +74,7 @@ class AgentConfig:
     devices: tuple[Device, ...] = ()  # where the TC program serves external traffic
     min_sync_period: float = 1.0  # at most one sync per this, under churn
     sync_period: float = 30.0  # a full sync at least this often, repairing drift
+    kubeconfig: str | None = None  # recorded for `kpr status NAMESPACE/NAME`
 
 
 @dataclass
@@ -84,7 +85,9 @@ class SyncResult:
     failed: int
     services_changed: int  # -1: all
     trigger_times: list[float] = field(default_factory=list)  # of the slices applied
-    drift_repaired: int = 0
+    drift_repaired: int = 0  # frontends whose map entries were written again
+    attachments_repaired: int = 0  # cgroup hooks and TC filters attached again
+    pins_repaired: int = 0  # pins put back
 
 
 def _limit_malloc_arenas() -> None:
@@ -160,6 +163,8 @@ class Agent:
         self.state = runstate.RunState(str(cfg.pin_dir), str(cgroup), self.source.description)
         self.state.devices = {d.name: [str(a) for a in d.addresses] for d in cfg.devices}
         self.state.node_port_addresses = [str(a) for a in cfg.node.node_port_addresses]
+        self.state.node = node_record(cfg.node)
+        self.state.kubeconfig = cfg.kubeconfig
         self.state.conflicts = conflicts.kube_proxy_rules() + conflicts.foreign_programs(cgroup)
         for conflict in self.state.conflicts:
             log.warning("conflict: %s", conflict)
@@ -220,6 +225,7 @@ class Agent:
         touched: set[Frontend] = set()
         for key in snapshot.changed:
             self.desired.health_checks.pop(key, None)
+            self.desired.no_local_endpoints.pop(key, None)
             for frontend in self.frontends_of.pop(key, set()):
                 self.desired.frontends.pop(frontend, None)
                 self.desired.held.discard(frontend)
@@ -250,6 +256,7 @@ class Agent:
                 self.desired.frontends[frontend] = partial.frontends[frontend]
             touched.add(frontend)
         self.desired.health_checks.update(partial.health_checks)
+        self.desired.no_local_endpoints.update(partial.no_local_endpoints)
         return touched
 
     # --- syncing ----------------------------------------------------------------
@@ -265,10 +272,10 @@ class Agent:
         began = time.perf_counter()
         touched = self._translate(snapshot) if snapshot is not None else set()
         full = full or touched is None
-        drift = 0
+        drift = pins = attachments = 0
         if full:
-            self._repair_pins()
-            self._repair_attachments()
+            pins = self._repair_pins()
+            attachments = self._repair_attachments()
             reread = self.maps.read()
             drift = _drift(self.programmed, reread)
             self.programmed = reread
@@ -343,6 +350,8 @@ class Agent:
             if snapshot is not None and snapshot.changed is not None
             else [],
             drift_repaired=drift if writes else 0,
+            attachments_repaired=attachments,
+            pins_repaired=pins,
         )
         if writes:
             log.info(
@@ -369,12 +378,13 @@ class Agent:
         if self.health_checks is not None:
             self.health_problems = self.health_checks.update(self.desired.health_checks)
 
-    def _repair_pins(self) -> None:
+    def _repair_pins(self) -> int:
         """Pins removed behind kpr's back (`rm -r /sys/fs/bpf/kpr`) are put back: the maps
         from the agent's open descriptors, the programs from what is attached. Without
-        them `kpr status` sees nothing and a restart would start from empty maps."""
+        them `kpr status` sees nothing and a restart would start from empty maps. How
+        many were put back."""
         if not self._attached or self.maps is None or self.cgroup is None:
-            return
+            return 0
         pin_dir = self.config.pin_dir
         restored = self.maps.repin() + loader.repin_programs(pin_dir, self.cgroup)
         if self.config.devices:
@@ -382,12 +392,15 @@ class Agent:
         if restored:
             log.warning("pins removed behind kpr's back, pinned again: %s", ", ".join(restored))
             self.repairs += len(restored)
+        return len(restored)
 
-    def _repair_attachments(self) -> None:
+    def _repair_attachments(self) -> int:
         """A hook detached behind kpr's back (bpftool cgroup detach, a cleanup script)
-        is attached again; the pinned programs are reused, nothing is compiled."""
+        is attached again; the pinned programs are reused, nothing is compiled. How many
+        hooks and TC filters were attached again."""
         if self.cgroup is None or not self._attached:
-            return
+            return 0
+        repaired = 0
         missing = [
             h for h, ok in loader.attached_hooks(self.cgroup, self.config.pin_dir).items() if not ok
         ]
@@ -397,6 +410,7 @@ class Agent:
             )
             loader.reattach(self.config.pin_dir, self.cgroup, missing)
             self.repairs += len(missing)
+            repaired += len(missing)
         names = [d.name for d in self.config.devices]
         if names:
             gone = [n for n, ok in tc.attached(names, self.config.pin_dir).items() if not ok]
@@ -404,6 +418,8 @@ class Agent:
                 log.warning("TC programs gone from %s; attaching them again", ", ".join(gone))
                 tc.attach(self.config.pin_dir, gone)
                 self.repairs += len(gone)
+                repaired += len(gone)
+        return repaired
 
     def _udp_backends(self, frontends: set[Frontend] | None) -> set[Backend]:
         """Backends that UDP frontends (these, or all) send to in the maps."""
@@ -445,12 +461,14 @@ class Agent:
         unsaved, self._unsaved = self._unsaved, None
         desired = Translation(dict(self.desired.frontends), set(self.desired.held))
         watches = self.source.status()
+        node = node_record(self.node)  # the zone may have changed
 
         def write() -> None:
             with self._state_lock:
                 if unsaved is not None:
                     self.state.record(desired, *unsaved)
                 self.state.watches = watches
+                self.state.node = node
                 self.state.save()
 
         self._saved_at = time.monotonic()
@@ -521,6 +539,33 @@ class Agent:
         self.source.stop()
         self._save_state(wait=True)
         log.info("stopping; programs stay attached and maps pinned (pid %d)", os.getpid())
+
+
+def node_record(node: NodeContext) -> dict:
+    """A NodeContext for the run state file (`kpr status` rebuilds it with node_context)."""
+    cidrs = node.external_ip_cidrs
+    return {
+        "name": node.name,
+        "zone": node.zone,
+        "proxy_name": node.proxy_name,
+        "node_port_addresses": [str(a) for a in node.node_port_addresses],
+        "localhost_node_ports": node.localhost_node_ports,
+        "external_ip_cidrs": None if cidrs is None else [str(c) for c in cidrs],
+    }
+
+
+def node_context(record: dict) -> NodeContext:
+    from ipaddress import ip_address, ip_network
+
+    cidrs = record.get("external_ip_cidrs")
+    return NodeContext(
+        name=record.get("name"),
+        zone=record.get("zone"),
+        proxy_name=record.get("proxy_name", "kpr"),
+        node_port_addresses=tuple(ip_address(a) for a in record.get("node_port_addresses", [])),
+        localhost_node_ports=record.get("localhost_node_ports", True),
+        external_ip_cidrs=None if cidrs is None else tuple(ip_network(c) for c in cidrs),
+    )
 
 
 def _drift(expected, actual) -> int:

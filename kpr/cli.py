@@ -2,19 +2,25 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
+import os
 import signal
 import socket
 import sys
 import threading
+from enum import StrEnum
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from kpr import host, runstate
+from kpr import __version__, host, runstate
 from kpr.model import NodeContext
+
+if TYPE_CHECKING:
+    from kpr.serving import BackgroundServer
 
 app = typer.Typer(
     add_completion=False,
@@ -27,9 +33,43 @@ BpffsOption = Annotated[
 ]
 
 
+class LogLevel(StrEnum):
+    debug = "debug"
+    info = "info"
+    warning = "warning"
+    error = "error"
+
+
+def _version(value: bool) -> None:
+    if value:
+        typer.echo(f"kpr {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def main(
+    version: Annotated[
+        bool,
+        typer.Option("--version", callback=_version, is_eager=True, help="Print the version."),
+    ] = False,
+) -> None:
+    """kpr: Kubernetes Services load-balanced at the socket by eBPF, in place of kube-proxy."""
+
+
 def _fail(err: Exception) -> None:
     typer.echo(f"kpr: {err}", err=True)
     raise typer.Exit(2)
+
+
+def _bind(server: BackgroundServer, flag: str, address: str) -> None:
+    """Take a listening port before anything is compiled or pinned; a port in use is a
+    set-up error naming the port and the process holding it (often kube-proxy)."""
+    try:
+        server.bind()
+    except OSError as err:
+        if err.errno == errno.EADDRINUSE:
+            raise host.port_in_use(flag, address, server.requested_port) from None
+        raise host.SetupError(f"{flag} {address}: cannot listen there: {err}") from None
 
 
 @app.command()
@@ -98,7 +138,9 @@ def run(
             "who may create Services can otherwise claim any address (CVE-2020-8554)."
         ),
     ] = None,
-    log_level: Annotated[str, typer.Option(help="debug, info, warning or error.")] = "info",
+    log_level: Annotated[
+        LogLevel, typer.Option(case_sensitive=False, help="How much to log.")
+    ] = LogLevel.info,
 ) -> None:
     """Run the agent: keep the BPF maps equal to the Services of the API server (or --source)."""
     from kpr.agent import Agent, AgentConfig
@@ -111,16 +153,23 @@ def run(
     from kpr.telemetry import Telemetry
 
     logging.basicConfig(
-        level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+        level=log_level.value.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     log = logging.getLogger("kpr")
+    servers: list[BackgroundServer] = []  # bound before the agent starts; closed again if it cannot
     try:
         host.require_root()
         proxy = ProxyConfig()
         if config_file is not None:
-            proxy, notes = load_config(config_file.read_text(), str(config_file))
+            try:
+                text = config_file.read_text()
+            except OSError as err:
+                raise ConfigError(f"--config {config_file}: {err.strerror or err}") from None
+            proxy, notes = load_config(text, str(config_file))
             for note in notes:
                 log.info("config: %s", note)
+            for line in proxy.unused(os.cpu_count() or 1):
+                log.info("config: %s: %s", config_file, line)
         for name, value in (
             ("healthz_bind_address", healthz_bind_address),
             ("metrics_bind_address", metrics_bind_address),
@@ -144,8 +193,11 @@ def run(
                 )
                 counter.labels(resource=resource).inc()
 
+            origin = (
+                "--kubeconfig" if kubeconfig else f"clientConnection.kubeconfig in {config_file}"
+            )
             feed = KubernetesSource(
-                api_client(kubeconfig or proxy.kubeconfig, master),
+                api_client(kubeconfig or proxy.kubeconfig, master, origin),
                 node,
                 proxy_name,
                 on_invalid=lambda kind: metrics.invalid_objects_total.labels(kind=kind).inc(),
@@ -166,24 +218,30 @@ def run(
             devices=tuple(chosen),
             min_sync_period=proxy.min_sync_period,
             sync_period=proxy.sync_period,
+            kubeconfig=kubeconfig or proxy.kubeconfig,
         )
         health = ProxyHealth(proxy.sync_period)
+        if proxy.healthz_bind_address:
+            server = HealthServer(health, metrics, *split_host_port(proxy.healthz_bind_address))
+            _bind(server, "--healthz-bind-address", proxy.healthz_bind_address)
+            servers.append(server)
+        if proxy.metrics_bind_address:
+            server = MetricsServer(
+                metrics, *split_host_port(proxy.metrics_bind_address), configz=proxy.configz()
+            )
+            _bind(server, "--metrics-bind-address", proxy.metrics_bind_address)
+            servers.append(server)
         addresses = (
             [str(a) for a in config.node.node_port_addresses] if proxy.node_port_addresses else None
         )
         agent = Agent(feed, config, health_checks=HealthCheckServers(addresses, health.healthy))
         agent.start()
         Telemetry(health, metrics).attach(agent)
-        servers = []
-        if proxy.healthz_bind_address:
-            servers.append(
-                HealthServer(health, metrics, *split_host_port(proxy.healthz_bind_address))
-            )
-        if proxy.metrics_bind_address:
-            servers.append(MetricsServer(metrics, *split_host_port(proxy.metrics_bind_address)))
         for server in servers:
             server.start()
     except (host.SetupError, ConfigError, ValueError, OSError) as err:
+        for server in servers:
+            server.stop()
         _fail(err)
     stop = threading.Event()
     for signum in (signal.SIGTERM, signal.SIGINT):
@@ -210,18 +268,40 @@ def _cidrs(flag: str, text: str | None) -> tuple | None:
 
 @app.command()
 def status(
+    service: Annotated[
+        str | None,
+        typer.Argument(
+            metavar="[NAMESPACE/NAME]",
+            help="One Service: its frontends, and each endpoint with why it gets traffic "
+            "on this node or not (read from the agent's source now).",
+        ),
+    ] = None,
     bpffs: BpffsOption = host.DEFAULT_PIN_DIR,
     as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output.")] = False,
+    kubeconfig: Annotated[
+        str | None, typer.Option(help="For NAMESPACE/NAME: default, the agent's.")
+    ] = None,
+    master: Annotated[
+        str | None, typer.Option(help="For NAMESPACE/NAME: default, the agent's API server.")
+    ] = None,
 ) -> None:
     """Show what the pinned maps hold (works while the agent is stopped)."""
-    from kpr.status import render, report
+    from kpr.status import render, render_service, report, service_report
 
     try:
         host.require_root()
-        data = report(bpffs)
-    except (host.SetupError, FileNotFoundError) as err:
+        if service is None:
+            data = report(bpffs)
+            text = render(data) if not as_json else ""
+        else:
+            data = service_report(bpffs, service, kubeconfig, master)
+            text = render_service(data) if not as_json else ""
+    except Exception as err:  # every failure: one line (or JSON), and a non-zero exit
+        if as_json:
+            typer.echo(json.dumps({"error": str(err), "kind": type(err).__name__}, indent=2))
+            raise typer.Exit(2) from None
         _fail(err)
-    typer.echo(json.dumps(data, indent=2) if as_json else render(data))
+    typer.echo(json.dumps(data, indent=2) if as_json else text)
 
 
 @app.command()

@@ -34,6 +34,37 @@ class ConfigError(ValueError):
     """A configuration file kpr cannot use, naming the file, the field and the value."""
 
 
+@dataclass(frozen=True)
+class Conntrack:
+    """The conntrack section with kube-proxy's defaults (a null field gets the default; an
+    explicit 0 asks kube-proxy to leave that sysctl alone)."""
+
+    max_per_core: int = 32768
+    min: int = 131072
+    tcp_established_timeout: float = 86400.0
+    tcp_close_wait_timeout: float = 3600.0
+    tcp_be_liberal: bool = False
+    udp_timeout: float = 0.0
+    udp_stream_timeout: float = 0.0
+
+    def sysctls(self, cpus: int) -> dict[str, int]:
+        """What kube-proxy would write under net.netfilter at start (server_linux.go)."""
+        out: dict[str, int] = {}
+        if self.max_per_core > 0:
+            out["nf_conntrack_max"] = max(self.max_per_core * cpus, self.min)
+        for name, seconds in (
+            ("nf_conntrack_tcp_timeout_established", self.tcp_established_timeout),
+            ("nf_conntrack_tcp_timeout_close_wait", self.tcp_close_wait_timeout),
+            ("nf_conntrack_udp_timeout", self.udp_timeout),
+            ("nf_conntrack_udp_timeout_stream", self.udp_stream_timeout),
+        ):
+            if seconds > 0:
+                out[name] = int(seconds)
+        if self.tcp_be_liberal:
+            out["nf_conntrack_tcp_be_liberal"] = 1
+        return out
+
+
 @dataclass
 class ProxyConfig:
     """The settings kpr takes from a KubeProxyConfiguration; defaults are kube-proxy's.
@@ -55,6 +86,66 @@ class ProxyConfig:
     kubeconfig: str | None = None
     api_qps: float = DEFAULT_QPS
     api_burst: int = DEFAULT_BURST
+    # read only to say what kpr does not do (unused()); not compared
+    conntrack: Conntrack = field(default_factory=Conntrack, compare=False)
+
+    def unused(self, cpus: int) -> list[str]:
+        """One line per setting kpr reads and does not act on, saying what kube-proxy
+        does with it instead; the conntrack sysctls always, as kube-proxy writes its
+        defaults even when the file says nothing."""
+        lines = []
+        if self.cluster_cidr:
+            lines.append(
+                f"clusterCIDR {self.cluster_cidr} is not used: kube-proxy tells pod traffic "
+                "from other traffic with it to masquerade the other; kpr's socket path needs "
+                "no SNAT, and its TC path masquerades by where the backend is"
+            )
+        if self.config_sync_period != DEFAULT_CONFIG_SYNC_PERIOD:
+            lines.append(
+                f"configSyncPeriod {go_duration(self.config_sync_period)} is not used: it is "
+                "kube-proxy's informer resync; kpr re-reads nothing from a cache, its full "
+                f"sync runs every syncPeriod ({go_duration(self.sync_period)})"
+            )
+        if (self.api_qps, self.api_burst) != (DEFAULT_QPS, DEFAULT_BURST):
+            lines.append(
+                f"clientConnection.qps {self.api_qps:g} and burst {self.api_burst} are not "
+                "used: kpr makes only list and watch requests, one at a time per resource, "
+                "with its own back-off"
+            )
+        sysctls = self.conntrack.sysctls(cpus)
+        if sysctls:
+            settings = ", ".join(f"net.netfilter.{k}={v}" for k, v in sysctls.items())
+            lines.append(
+                f"conntrack is not applied: kube-proxy would set {settings}; kpr leaves the "
+                "node's conntrack sysctls as they are (its Service traffic makes no "
+                "conntrack entries). Set them with sysctl if the node's other traffic "
+                "relied on kube-proxy's"
+            )
+        return lines
+
+    def configz(self) -> dict[str, Any]:
+        """The configuration in use, as kube-proxy's /configz shows its own (the
+        KubeProxyConfiguration's field names, durations as Go writes them)."""
+        periods = {
+            "syncPeriod": go_duration(self.sync_period),
+            "minSyncPeriod": go_duration(self.min_sync_period),
+        }
+        return {
+            "bindAddress": self.bind_address,
+            "healthzBindAddress": self.healthz_bind_address,
+            "metricsBindAddress": self.metrics_bind_address,
+            "hostnameOverride": self.hostname_override or "",
+            "clusterCIDR": self.cluster_cidr,
+            "nodePortAddresses": list(self.node_port_addresses),
+            "configSyncPeriod": go_duration(self.config_sync_period),
+            "clientConnection": {
+                "kubeconfig": self.kubeconfig or "",
+                "qps": self.api_qps,
+                "burst": self.api_burst,
+            },
+            "iptables": {**periods, "localhostNodePorts": self.localhost_node_ports},
+            "mode": "",
+        }
 
 
 # --- Go's time.ParseDuration --------------------------------------------------------
@@ -106,6 +197,34 @@ def parse_duration(text: str) -> float:
     if total > _MAX_DURATION_NS:
         raise ValueError(f"{text!r} is not a duration: out of range")
     return sign * int(total) / 1e9
+
+
+def go_duration(seconds: float) -> str:
+    """Seconds as Go's time.Duration.String() writes them: "30s", "1m0s", "1.5s", "15m0s"."""
+    nanos = round(seconds * 1e9)
+    if nanos == 0:
+        return "0s"
+    sign, nanos = ("-", -nanos) if nanos < 0 else ("", nanos)
+    if nanos < 1_000_000_000:
+        for unit, size in (("ms", 1_000_000), ("\u00b5s", 1_000), ("ns", 1)):
+            if nanos >= size:
+                return f"{sign}{_decimal(nanos, size)}{unit}"
+    hours, rest = divmod(nanos, 3_600_000_000_000)
+    minutes, rest = divmod(rest, 60_000_000_000)
+    text = f"{_decimal(rest, 1_000_000_000)}s"
+    if hours or minutes:
+        text = f"{minutes}m{text}"
+    if hours:
+        text = f"{hours}h{text}"
+    return sign + text
+
+
+def _decimal(value: int, unit: int) -> str:
+    whole, fraction = divmod(value, unit)
+    if not fraction:
+        return str(whole)
+    digits = len(str(unit)) - 1
+    return f"{whole}.{fraction:0{digits}d}".rstrip("0")
 
 
 # --- Go's net.SplitHostPort -----------------------------------------------------------
@@ -351,8 +470,42 @@ def load_config(text: str, source: str = "<config>") -> tuple[ProxyConfig, list[
         kubeconfig=r.string("clientConnection.kubeconfig") or None,
         api_qps=r.number("clientConnection.qps") or DEFAULT_QPS,
         api_burst=int(burst) or DEFAULT_BURST,
+        conntrack=_conntrack(r),
     )
     return config, _notes(doc, mode, periods, source)
+
+
+def _conntrack(r: _Reader) -> Conntrack:
+    """kube-proxy's defaulting: null takes the default, 0 is kept (leave the sysctl)."""
+    default = Conntrack()
+
+    def count(name: str, fallback: int) -> int:
+        path = f"conntrack.{name}"
+        if r.get(path) is None:
+            return fallback
+        value = r.number(path)
+        if value < 0 or value != int(value):
+            raise r.error(path, f"{value:g} is not a whole number >= 0")
+        return int(value)
+
+    def seconds(name: str, fallback: float) -> float:
+        path = f"conntrack.{name}"
+        if r.get(path) is None:
+            return fallback
+        value = r.duration(path)
+        if value < 0:
+            raise r.error(path, "must be greater than or equal to 0")
+        return value
+
+    return Conntrack(
+        max_per_core=count("maxPerCore", default.max_per_core),
+        min=count("min", default.min),
+        tcp_established_timeout=seconds("tcpEstablishedTimeout", default.tcp_established_timeout),
+        tcp_close_wait_timeout=seconds("tcpCloseWaitTimeout", default.tcp_close_wait_timeout),
+        tcp_be_liberal=r.boolean("conntrack.tcpBeLiberal", False),
+        udp_timeout=seconds("udpTimeout", 0.0),
+        udp_stream_timeout=seconds("udpStreamTimeout", 0.0),
+    )
 
 
 def _bind_address(r: _Reader, path: str, default: str) -> str:

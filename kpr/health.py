@@ -20,11 +20,11 @@ import time
 from collections.abc import Callable, Mapping
 from datetime import UTC, datetime
 from decimal import Decimal
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler, HTTPServer
 from typing import Any
 
 from kpr.metrics import Metrics
-from kpr.serving import BackgroundServer
+from kpr.serving import BackgroundServer, BoundedThreadingMixIn
 
 log = logging.getLogger(__name__)
 
@@ -159,9 +159,7 @@ class _Handler(BaseHTTPRequestHandler):
         log.debug("healthz: " + format, *args)
 
 
-class _Server(ThreadingHTTPServer):
-    daemon_threads = True
-
+class _Server(BoundedThreadingMixIn, HTTPServer):
     def __init__(self, address: tuple[str, int], health: ProxyHealth, metrics: Metrics) -> None:
         self.health = health
         self.metrics = metrics
@@ -177,8 +175,10 @@ class HealthServer(BackgroundServer):
 
     name = "kpr-healthz"
 
-    def __init__(self, health: ProxyHealth, metrics: Metrics, host: str, port: int) -> None:
-        super().__init__(host, port)
+    def __init__(
+        self, health: ProxyHealth, metrics: Metrics, host: str, port: int, **limits: float
+    ) -> None:
+        super().__init__(host, port, **limits)  # type: ignore[arg-type]
         self.health = health
         self.metrics = metrics
 

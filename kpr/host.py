@@ -137,3 +137,53 @@ def require_bcc():
             f"'bcc' is an unrelated library)."
         ) from err
     return bcc
+
+
+def port_holders(port: int) -> list[str]:
+    """ "pid N (command)" of each process with a TCP socket listening on `port` in this
+    network namespace, from /proc/net/tcp{,6} and the processes' descriptors."""
+    inodes = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            lines = Path(table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            fields = line.split()
+            # local address "hex:hexport", state 0A is LISTEN, inode in the tenth column
+            if (
+                len(fields) > 9
+                and fields[3] == "0A"
+                and int(fields[1].rsplit(":", 1)[1], 16) == port
+            ):
+                inodes.add(f"socket:[{fields[9]}]")
+    holders = []
+    if not inodes:
+        return holders
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            fds = list((proc / "fd").iterdir())
+            if any(os.readlink(fd) in inodes for fd in fds):
+                command = (proc / "comm").read_text().strip()
+                holders.append(f"pid {proc.name} ({command})")
+        except OSError:  # gone, or not ours to read
+            continue
+    return holders
+
+
+def port_in_use(flag: str, address: str, port: int) -> SetupError:
+    """The one-paragraph error for a listening port that is taken."""
+    holders = port_holders(port)
+    who = ", ".join(holders) if holders else "another process (not visible from here)"
+    hint = (
+        " kube-proxy serves this port too: stop it on this node first (docs/operations.md, "
+        "migrating from kube-proxy)"
+        if any("kube-proxy" in h for h in holders)
+        else ""
+    )
+    return SetupError(
+        f"{flag} {address}: port {port} is already in use by {who}.{hint} Or give {flag} "
+        f'another address ("" turns that server off). Nothing was loaded or pinned.'
+    )

@@ -10,20 +10,20 @@ Every metric lives in the one registry a Metrics owns, so tests can make fresh o
 
 from __future__ import annotations
 
+import json
 import logging
 import socket
-import threading
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 import prometheus_client
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
 from prometheus_client.core import CounterMetricFamily
 from prometheus_client.registry import Collector
 
 from kpr.datapath import abi
-from kpr.serving import BackgroundServer
+from kpr.serving import BackgroundServer, BoundedThreadingMixIn
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +45,8 @@ NETWORK_PROGRAMMING_BUCKETS = (
 DATAPATH_OUTCOMES = tuple(abi.STAT_NAMES.values())
 
 _KUBE_PROXY = "kubeproxy"
+# What /proxyMode answers: kube-proxy's says iptables, ipvs or nftables; kpr is none of them.
+PROXY_MODE = "kpr"
 
 
 def _alpha(text: str) -> str:
@@ -211,8 +213,18 @@ class Metrics:
             "BPF map writes that failed (the service keeps its previous backends)",
             registry=r,
         )
+        self.drift_repairs_total = Counter(
+            "kpr_drift_repairs_total",
+            "Repairs of what was changed behind kpr's back, found by full syncs: map entries "
+            "of a frontend, detached hooks and TC filters, removed pins",
+            ["object"],
+            registry=r,
+        )
         self._datapath = _DatapathCollector()
         r.register(self._datapath)
+        # process_cpu_seconds_total, process_resident_memory_bytes, process_open_fds ...,
+        # as every Kubernetes component exports them
+        ProcessCollector(registry=r)
 
     def set_datapath_reader(self, reader: Callable[[], dict[str, int]] | None) -> None:
         """Read kpr_datapath_outcomes_total from `reader` (outcome -> count) at each scrape."""
@@ -228,32 +240,40 @@ class _QuietHandler(WSGIRequestHandler):
         log.debug("metrics: " + format, *args)
 
 
-class _ThreadingWSGIServer(WSGIServer):
-    """One thread per request, so a slow scraper does not hold up the next."""
-
-    def process_request(self, request: Any, client_address: Any) -> None:
-        threading.Thread(target=self._handle, args=(request, client_address), daemon=True).start()
-
-    def _handle(self, request: Any, client_address: Any) -> None:
-        try:
-            self.finish_request(request, client_address)
-        except Exception:
-            self.handle_error(request, client_address)
-        finally:
-            self.shutdown_request(request)
+class _ThreadingWSGIServer(BoundedThreadingMixIn, WSGIServer):
+    """A thread per connection, bounded, so a slow scraper does not hold up the next."""
 
 
 class _ThreadingWSGIServer6(_ThreadingWSGIServer):
     address_family = socket.AF_INET6
 
 
-def _metrics_only(app: Callable[..., Iterable[bytes]]) -> Callable[..., Iterable[bytes]]:
-    """The exposition at /metrics and nothing elsewhere (prometheus_client answers any path)."""
+_TEXT = ("Content-Type", "text/plain; charset=utf-8")
+_NOSNIFF = ("X-Content-Type-Options", "nosniff")
+
+
+def _routes(
+    app: Callable[..., Iterable[bytes]], proxy_mode: str, configz: Mapping[str, Any]
+) -> Callable[..., Iterable[bytes]]:
+    """The paths of kube-proxy's metrics server (cmd/kube-proxy/app/server.go serveMetrics):
+    /metrics; /healthz (component-base's: "ok" while the process serves); /proxyMode;
+    /configz (the configuration in use). 404 elsewhere (prometheus_client answers any path)."""
+    configz_body = json.dumps({"kubeproxy.config.k8s.io": configz}).encode()
 
     def route(environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
-        if environ.get("PATH_INFO") == "/metrics":
+        path = environ.get("PATH_INFO")
+        if path == "/metrics":
             return app(environ, start_response)
-        start_response("404 Not Found", [("Content-Type", "text/plain; charset=utf-8")])
+        if path in ("/healthz", "/healthz/ping"):
+            start_response("200 OK", [_TEXT, _NOSNIFF])
+            return [b"ok"]
+        if path == "/proxyMode":
+            start_response("200 OK", [_TEXT, _NOSNIFF])
+            return [proxy_mode.encode()]
+        if path == "/configz":
+            start_response("200 OK", [("Content-Type", "application/json"), _NOSNIFF])
+            return [configz_body]
+        start_response("404 Not Found", [_TEXT, _NOSNIFF])
         return [b"404 page not found\n"]
 
     return route
@@ -264,12 +284,24 @@ class MetricsServer(BackgroundServer):
 
     name = "kpr-metrics"
 
-    def __init__(self, metrics: Metrics, host: str, port: int) -> None:
-        super().__init__(host, port)
+    def __init__(
+        self,
+        metrics: Metrics,
+        host: str,
+        port: int,
+        configz: Mapping[str, Any] | None = None,
+        proxy_mode: str = PROXY_MODE,
+        **limits: float,
+    ) -> None:
+        super().__init__(host, port, **limits)  # type: ignore[arg-type]
         self.metrics = metrics
+        self.configz = dict(configz or {})
+        self.proxy_mode = proxy_mode
 
     def _make_server(self) -> WSGIServer:
-        app = _metrics_only(prometheus_client.make_wsgi_app(self.metrics.registry))
+        app = _routes(
+            prometheus_client.make_wsgi_app(self.metrics.registry), self.proxy_mode, self.configz
+        )
         server_class = _ThreadingWSGIServer6 if ":" in self.host else _ThreadingWSGIServer
         return make_server(
             self.host, self.requested_port, app, server_class, handler_class=_QuietHandler

@@ -273,3 +273,6 @@ class Translation:
     owners: dict[Frontend, ServiceKey] = field(default_factory=dict)  # which Service has it
     # externalTrafficPolicy Local Services: (healthCheckNodePort, local ready endpoints)
     health_checks: dict[ServiceKey, tuple[int, int]] = field(default_factory=dict)
+    # Service ports (per IP family) with a Local traffic policy, endpoints, and none on
+    # this node: (internal, external) counts, kube-proxy's no_local_endpoints_total
+    no_local_endpoints: dict[ServiceKey, tuple[int, int]] = field(default_factory=dict)

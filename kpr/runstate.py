@@ -61,6 +61,10 @@ class RunState:
     node_port_addresses: list[str] = field(default_factory=list)
     # seconds from the source's first complete list to the maps programmed
     first_sync_after_list: float | None = None
+    # this node as translation sees it (name, zone, proxy_name, ...), and the kubeconfig
+    # the agent reads the API with: `kpr status NAMESPACE/NAME` explains with them
+    node: dict = field(default_factory=dict)
+    kubeconfig: str | None = None
 
     def record(
         self,

@@ -1,21 +1,116 @@
-"""An HTTP server in a daemon thread: what the health and metrics servers share."""
+"""An HTTP server in a daemon thread: what the health and metrics servers share.
+
+Probes and scrapers come from anywhere the bind address lets them, so a connection costs
+no thread until its request arrives: accepted connections wait in a selector, a request
+that has begun is handed to one of at most `max_connections` threads, and a client has
+`request_timeout` from connecting to send its request and read the reply (each read and
+write is bounded by what is left). Beyond MAX_WAITING idle connections, the one that has
+waited longest is closed.
+"""
 
 from __future__ import annotations
 
+import contextlib
+import selectors
+import socket
 import socketserver
 import threading
+import time
+from collections import OrderedDict
 
-POLL_INTERVAL = 0.05  # how soon stop() is noticed
+POLL_INTERVAL = 0.05  # how soon stop() is noticed, and a waiting request is picked up
+REQUEST_TIMEOUT = 10.0  # seconds a client has to send its request (and to read the reply)
+MAX_CONNECTIONS = 64  # requests served at once, a thread each
+MAX_WAITING = 128  # connections waiting for their request to begin: a descriptor each, and
+# the agent needs its descriptors (maps, netlink) under a soft RLIMIT_NOFILE of 1024 on hosts
+LISTEN_BACKLOG = 128
+
+
+class BoundedThreadingMixIn(socketserver.ThreadingMixIn):
+    """A thread per request being served, at most `max_connections` of them; connections
+    that have sent nothing yet wait in a selector, without a thread."""
+
+    daemon_threads = True
+    request_queue_size = LISTEN_BACKLOG
+    max_connections = MAX_CONNECTIONS
+    request_timeout = REQUEST_TIMEOUT
+    _slots: threading.BoundedSemaphore
+    _waiting: OrderedDict[socket.socket, tuple[float, object]]
+    _selector: selectors.BaseSelector
+
+    def server_activate(self) -> None:
+        self._slots = threading.BoundedSemaphore(self.max_connections)
+        self._waiting = OrderedDict()
+        self._selector = selectors.DefaultSelector()
+        super().server_activate()  # type: ignore[misc]
+
+    def process_request(self, request: socket.socket, client_address: object) -> None:
+        """Accepted: wait, without a thread, until the request begins."""
+        if len(self._waiting) >= MAX_WAITING:
+            oldest, _ = self._waiting.popitem(last=False)
+            self._drop(oldest)
+        deadline = time.monotonic() + self.request_timeout
+        self._waiting[request] = (deadline, client_address)
+        self._selector.register(request, selectors.EVENT_READ)
+
+    def service_actions(self) -> None:
+        """Each turn of serve_forever: hand begun requests to threads, close idle ones."""
+        super().service_actions()
+        if not self._waiting:
+            return
+        for key, _ in self._selector.select(timeout=0):
+            request = key.fileobj
+            if not self._slots.acquire(blocking=False):
+                break  # every thread busy: the rest wait for the next turn
+            deadline, client_address = self._waiting.pop(request)  # type: ignore[call-overload]
+            self._selector.unregister(request)
+            # what is left of the client's time bounds each read and write from here on
+            request.settimeout(max(0.001, deadline - time.monotonic()))  # type: ignore[union-attr]
+            try:
+                super().process_request(request, client_address)
+            except BaseException:
+                self._slots.release()
+                raise
+        now = time.monotonic()
+        for request, (deadline, _) in list(self._waiting.items()):
+            if deadline > now:
+                break  # in order of arrival, so of deadline
+            del self._waiting[request]
+            self._drop(request)
+
+    def _drop(self, request: socket.socket) -> None:
+        with contextlib.suppress(KeyError, ValueError):  # not registered, or closed
+            self._selector.unregister(request)
+        self.shutdown_request(request)  # type: ignore[attr-defined]
+
+    def process_request_thread(self, request: socket.socket, client_address: object) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._slots.release()
+
+    def server_close(self) -> None:
+        for request in list(getattr(self, "_waiting", {})):
+            self._drop(request)
+        super().server_close()  # type: ignore[misc]
 
 
 class BackgroundServer:
-    """Subclasses build the server in `_make_server`; this runs and stops it."""
+    """Subclasses build the server in `_make_server`; this binds, runs and stops it."""
 
     name = "kpr-http"
 
-    def __init__(self, host: str, port: int) -> None:
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        request_timeout: float = REQUEST_TIMEOUT,
+        max_connections: int = MAX_CONNECTIONS,
+    ) -> None:
         self.host = host
         self.requested_port = port
+        self.request_timeout = request_timeout
+        self.max_connections = max_connections
         self._server: socketserver.BaseServer | None = None
         self._thread: threading.Thread | None = None
 
@@ -29,8 +124,19 @@ class BackgroundServer:
             raise RuntimeError(f"{type(self).__name__} is not started")
         return self._server.server_address[1]
 
+    def bind(self) -> None:
+        """Take the port now (OSError if it is in use); serve from `start()`."""
+        if self._server is None:
+            server = self._make_server()
+            if isinstance(server, BoundedThreadingMixIn):
+                server.request_timeout = self.request_timeout
+                server.max_connections = self.max_connections
+                server._slots = threading.BoundedSemaphore(self.max_connections)
+            self._server = server
+
     def start(self) -> None:
-        self._server = self._make_server()
+        self.bind()
+        assert self._server is not None
         self._thread = threading.Thread(
             target=self._server.serve_forever, args=(POLL_INTERVAL,), name=self.name, daemon=True
         )
@@ -39,7 +145,8 @@ class BackgroundServer:
     def stop(self) -> None:
         if self._server is None:
             return
-        self._server.shutdown()
+        if self._thread is not None:
+            self._server.shutdown()
         self._server.server_close()
         if self._thread is not None:
             self._thread.join()

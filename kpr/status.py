@@ -12,6 +12,7 @@ from kpr import host, runstate
 from kpr.datapath import abi, loader, tc
 from kpr.datapath.maps import BpfMaps
 from kpr.datapath.plan import ProgrammedState
+from kpr.model import EndpointSlice, Service
 
 
 def programmed_view(programmed: ProgrammedState) -> dict[str, list[str]]:
@@ -182,4 +183,122 @@ def render(status: dict) -> str:
     if agent and agent["problems"]:
         lines.append(f"problems ({len(agent['problems'])}):")
         lines.extend(f"  {p}" for p in agent["problems"][:50])
+    return "\n".join(lines)
+
+
+def service_objects(
+    source: str, namespace: str, name: str, kubeconfig: str | None, master: str | None
+) -> tuple[Service | None, list[EndpointSlice], list[str]]:
+    """One Service and its EndpointSlices as they are now in the agent's source (a manifest
+    directory, or the API server), with the problems that keep objects out."""
+    from kpr.objects import ObjectError, parse_endpoint_slice, parse_service
+
+    if source.startswith("manifests:"):
+        from kpr.sources.manifests import ManifestSource
+
+        snapshot = ManifestSource(Path(source.removeprefix("manifests:"))).poll()
+        assert snapshot is not None  # the first poll always has one
+        services = [s for s in snapshot.services if (s.namespace, s.name) == (namespace, name)]
+        slices = [s for s in snapshot.slices if (s.namespace, s.service_name) == (namespace, name)]
+        mine = {f"Service {namespace}/{name}"} | {
+            f"EndpointSlice {namespace}/{s.name}" for s in slices
+        }
+        problems = [str(p) for p in snapshot.problems if p.ref and str(p.ref) in mine]
+        return (services[0] if services else None), slices, problems
+    import json
+
+    from kubernetes import client
+
+    from kpr.objects import SERVICE_NAME_LABEL
+    from kpr.sources.kubernetes import api_client
+
+    host_in_state = source.removeprefix("kubernetes:") if source.startswith("kubernetes:") else None
+    api = api_client(kubeconfig, master or (None if kubeconfig else host_in_state))
+    core, discovery = client.CoreV1Api(api), client.DiscoveryV1Api(api)
+    # list with selectors: the verbs kpr's ClusterRole grants (no get)
+    found = core.list_service_for_all_namespaces(
+        field_selector=f"metadata.namespace={namespace},metadata.name={name}",
+        _preload_content=False,
+        _request_timeout=30,
+    )
+    listed = discovery.list_endpoint_slice_for_all_namespaces(
+        label_selector=f"{SERVICE_NAME_LABEL}={name}",
+        field_selector=f"metadata.namespace={namespace}",
+        _preload_content=False,
+        _request_timeout=30,
+    )
+    problems = []
+    service = None
+    for obj in json.loads(found.data).get("items") or []:
+        try:
+            service = parse_service(obj)
+        except ObjectError as err:
+            problems.append(f"Service {namespace}/{name}: {err}; not used")
+    slices = []
+    for obj in json.loads(listed.data).get("items") or []:
+        try:
+            slices.append(parse_endpoint_slice(obj))
+        except ObjectError as err:
+            slice_name = (obj.get("metadata") or {}).get("name")
+            problems.append(f"EndpointSlice {namespace}/{slice_name}: {err}; not used")
+    return service, slices, problems
+
+
+def service_report(
+    pin_dir: Path, namespaced_name: str, kubeconfig: str | None = None, master: str | None = None
+) -> dict:
+    """`kpr status NAMESPACE/NAME`: the Service's frontends with what the maps hold, and
+    each endpoint with why it does or does not get traffic on this node."""
+    from kpr.agent import node_context
+    from kpr.explain import explain
+
+    namespace, sep, name = namespaced_name.partition("/")
+    if not sep or not namespace or not name or "/" in name:
+        raise ValueError(f"{namespaced_name!r} is not NAMESPACE/NAME")
+    state = runstate.load(pin_dir)
+    if state is None:
+        raise FileNotFoundError(
+            f"No record of a kpr agent for {pin_dir}: `kpr status NAMESPACE/NAME` needs the "
+            f"agent's source and node, which it records when it runs (pass its --bpffs)."
+        )
+    service, slices, problems = service_objects(
+        state.source, namespace, name, kubeconfig or state.kubeconfig, master
+    )
+    if service is None:
+        raise LookupError(f"Service {namespace}/{name} is not in {state.source}")
+    explained = explain(service, slices, node_context(state.node))
+    programmed = programmed_view(_read_programmed(pin_dir))
+    for port in explained["ports"]:
+        for frontend in port["frontends"]:
+            frontend["maps"] = programmed.get(frontend["frontend"])
+    explained["node"] = state.node
+    explained["problems"] = problems + [
+        p for p in state.problems if f"{namespace}/{name}" in p and p not in problems
+    ]
+    return explained
+
+
+def _read_programmed(pin_dir: Path) -> ProgrammedState:
+    maps = BpfMaps(pin_dir)
+    try:
+        return maps.read()
+    finally:
+        maps.close()
+
+
+def render_service(report: dict) -> str:
+    from kpr.explain import render
+
+    programmed = {
+        f["frontend"]: f["maps"]
+        for port in report["ports"]
+        for f in port["frontends"]
+        if f.get("maps") is not None
+    }
+    node = report.get("node") or {}
+    lines = [render(report, programmed)]
+    lines.append(f"  (as seen on node {node.get('name')}, zone {node.get('zone') or '-'})")
+    if report["problems"]:
+        lines.append(f"  problems ({len(report['problems'])}):")
+        lines.extend(f"    {p}" for p in report["problems"])
     return "\n".join(lines)

@@ -54,8 +54,22 @@ class Telemetry:
             m.network_programming_latency.observe(max(0.0, now - trigger))
         if result.failed:
             m.map_write_failures_total.inc(result.failed)
+        for repaired, count in (
+            ("frontend", result.drift_repaired),
+            ("attachment", result.attachments_repaired),
+            ("pin", result.pins_repaired),
+        ):
+            # every series from the start, so rate() and alerts see 0 before the first repair
+            m.drift_repairs_total.labels(object=repaired).inc(count)
         if self.agent is not None:
             self.health.set_node_deleting(self.agent.node_deleting)
+            counts = self.agent.desired.no_local_endpoints.values()
+            m.sync_proxy_rules_no_local_endpoints_total.labels(traffic_policy="internal").set(
+                sum(internal for internal, _ in counts)
+            )
+            m.sync_proxy_rules_no_local_endpoints_total.labels(traffic_policy="external").set(
+                sum(external for _, external in counts)
+            )
         if self.agent is not None and result.full:  # counting walks every frontend
             for name, (used, size) in self.agent.map_fill().items():
                 m.map_entries.labels(map=name).set(used)

@@ -78,6 +78,9 @@ def _translate_service(
         4: [s for s in slices if s.address_type == "IPv4"],
         6: [s for s in slices if s.address_type == "IPv6"],
     }
+    no_local = no_local_endpoints(service, slices_of, node)
+    if no_local != (0, 0):
+        translation.no_local_endpoints[(service.namespace, service.name)] = no_local
     for index, port in enumerate(service.ports):
         field = f"spec.ports[{index}]"
         if port.protocol not in PROTOCOLS:
@@ -188,6 +191,29 @@ def frontends_of(
     localhost = node.localhost_node_ports and 4 in families
     if node_port and localhost and LOCALHOST not in node.node_port_addresses:
         yield Frontend(LOCALHOST, node_port, protocol, SOCKET), "NodePort", "Cluster"
+
+
+def no_local_endpoints(
+    service: Service, slices_of: Mapping[int, list[EndpointSlice]], node: NodeContext
+) -> tuple[int, int]:
+    """(internal, external): the Service's ports, per IP family it serves, whose traffic
+    policy is Local and that have endpoints, but none on this node — what kube-proxy's
+    proxiers count for sync_proxy_rules_no_local_endpoints_total."""
+    internal_local = service.internal_traffic_policy == "Local"
+    external_local = service.external_traffic_policy == "Local" and (
+        service.type in ("NodePort", "LoadBalancer") or bool(service.external_ips)
+    )
+    if not (internal_local or external_local):
+        return 0, 0
+    internal = external = 0
+    for port in service.ports:
+        for version in {address.version for address in service.cluster_ips}:
+            endpoints = merge_endpoints(port, slices_of[version])
+            if not cluster_endpoints(endpoints, node) or local_endpoints(endpoints, node):
+                continue  # no endpoints anywhere, or some here
+            internal += internal_local
+            external += external_local
+    return internal, external
 
 
 def allowed_from_node(service: Service, node: NodeContext) -> bool:

@@ -436,3 +436,50 @@ def test_changing_map_sizes_swaps_in_new_maps_without_a_moment_without_service(l
     assert maps["v1_services4"]["entries"] == 2 * (1 + 3)  # refilled: 2 ports x (master + 3)
     assert not list(agent.pin_dir.glob("retired_*"))
     assert "pinned map replaced: v1_services4" in agent.log.read_text()
+
+
+# --- kpr status NAMESPACE/NAME: why an endpoint gets traffic or not ---------------------
+
+
+def test_status_of_one_service_says_why_each_endpoint_gets_traffic_or_not(lab, agent):
+    pods = [str(p.ipv4) for p in lab.pods[:3]]
+    web = kube.service("echo", [VIP4], PORTS, internalTrafficPolicy="Local")
+    web_slice = kube.endpoint_slice("echo", pods, POD_PORTS)
+    web_slice["endpoints"][1]["conditions"]["ready"] = False
+    web_slice["endpoints"][2]["nodeName"] = "node-2"
+    web_slice["endpoints"][2]["zone"] = "zone-b"
+    kube.write(agent.log.parent / "manifests", "echo.yaml", web, web_slice)
+    agent.args += ["--healthz-bind-address", "127.0.0.1:0", "--metrics-bind-address", ""]
+    agent.start()
+    agent.wait_synced()
+    out = subprocess.run(
+        [*KPR, "status", "default/echo", "--bpffs", str(agent.pin_dir), "--json"],
+        capture_output=True,
+        text=True,
+    )
+    assert out.returncode == 0, out.stderr
+    report = json.loads(out.stdout)
+    http = next(p for p in report["ports"] if p["name"] == "http")
+    [frontend] = http["frontends"]
+    assert (frontend["frontend"], frontend["policy"]) == (f"{VIP4}:80/TCP", "Local")
+    assert frontend["maps"] == [f"{pods[0]}:8080"]  # what the pinned maps hold
+    why = {e["address"]: e["traffic"]["Local"] for e in http["endpoints"]}
+    assert why[f"{pods[0]}:8080"] is None
+    assert why[f"{pods[1]}:8080"] == "not ready"
+    assert why[f"{pods[2]}:8080"].startswith("on node node-2, not this node (node-1)")
+    remote = next(e for e in http["endpoints"] if e["address"] == f"{pods[2]}:8080")
+    assert (remote["node"], remote["zone"], remote["ready"]) == ("node-2", "zone-b", True)
+    text = subprocess.run(
+        [*KPR, "status", "default/echo", "--bpffs", str(agent.pin_dir)],
+        capture_output=True,
+        text=True,
+    )
+    assert text.returncode == 0, text.stderr
+    assert "no traffic, not ready" in text.stdout and "gets traffic" in text.stdout
+    missing = subprocess.run(
+        [*KPR, "status", "default/nope", "--bpffs", str(agent.pin_dir), "--json"],
+        capture_output=True,
+        text=True,
+    )
+    assert missing.returncode != 0
+    assert "default/nope" in json.loads(missing.stdout)["error"]

@@ -7,6 +7,7 @@ import pytest
 from kpr.config import (
     ConfigError,
     ProxyConfig,
+    go_duration,
     load_config,
     parse_duration,
     split_host_port,
@@ -422,3 +423,62 @@ def test_split_host_port(text: str, expected: tuple[str, int]) -> None:
 def test_split_host_port_rejects(text: str) -> None:
     with pytest.raises(ValueError):
         split_host_port(text)
+
+
+@pytest.mark.parametrize(
+    "seconds, text",
+    [(30, "30s"), (1, "1s"), (0.5, "500ms"), (900, "15m0s"), (3723.5, "1h2m3.5s"), (0, "0s")],
+)
+def test_go_duration_writes_what_go_writes_and_parses_back(seconds: float, text: str) -> None:
+    assert go_duration(seconds) == text
+    assert parse_duration(text) == seconds
+
+
+def test_configz_shows_the_configuration_in_use() -> None:
+    config, _ = load_config(KUBEADM_CONFIG_CONF)
+    shown = config.configz()
+    assert shown["healthzBindAddress"] == "0.0.0.0:10256"
+    assert shown["iptables"]["syncPeriod"] == "30s"
+    assert shown["clientConnection"]["kubeconfig"] == "/var/lib/kube-proxy/kubeconfig.conf"
+
+
+def test_kubeadm_config_conf_names_what_kpr_reads_and_does_not_apply() -> None:
+    config, _ = load_config(KUBEADM_CONFIG_CONF, source="config.conf")
+    unused = config.unused(cpus=4)
+    assert [line.split(" ", 1)[0] for line in unused] == ["clusterCIDR", "conntrack"]
+    # maxPerCore 0 leaves nf_conntrack_max alone; the null timeouts take kube-proxy's defaults
+    assert unused[1].startswith(
+        "conntrack is not applied: kube-proxy would set "
+        "net.netfilter.nf_conntrack_tcp_timeout_established=86400, "
+        "net.netfilter.nf_conntrack_tcp_timeout_close_wait=3600; kpr leaves"
+    )
+
+
+def test_conntrack_is_computed_as_kube_proxy_computes_it() -> None:
+    # no conntrack section: kube-proxy's defaults, nf_conntrack_max from the CPUs
+    assert ProxyConfig().conntrack.sysctls(cpus=2) == {
+        "nf_conntrack_max": 131072,  # 2 x 32768 is below the minimum
+        "nf_conntrack_tcp_timeout_established": 86400,
+        "nf_conntrack_tcp_timeout_close_wait": 3600,
+    }
+    config, _ = load(
+        "conntrack: {maxPerCore: 65536, min: 0, tcpEstablishedTimeout: 2h, "
+        "tcpCloseWaitTimeout: 0s, tcpBeLiberal: true, udpTimeout: 30s}\n"
+    )
+    assert config.conntrack.sysctls(cpus=8) == {
+        "nf_conntrack_max": 524288,
+        "nf_conntrack_tcp_timeout_established": 7200,
+        "nf_conntrack_udp_timeout": 30,
+        "nf_conntrack_tcp_be_liberal": 1,
+    }
+    assert "conntrack.maxPerCore: -1 is not a whole number >= 0" in error_of(
+        "conntrack: {maxPerCore: -1}\n"
+    )
+
+
+def test_other_read_and_unused_fields_are_named() -> None:
+    config, _ = load("configSyncPeriod: 1h\nclientConnection: {qps: 50, burst: 100}\n")
+    unused = config.unused(cpus=1)
+    assert unused[0].startswith("configSyncPeriod 1h0m0s is not used:")
+    assert unused[1].startswith("clientConnection.qps 50 and burst 100 are not used:")
+    assert [line.split(" ", 1)[0] for line in ProxyConfig().unused(cpus=1)] == ["conntrack"]

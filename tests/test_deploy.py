@@ -640,3 +640,81 @@ def test_dockerfile_copies_and_installs_the_package():
     env = " ".join(rest for word, rest in instructions if word == "ENV")
     venv = re.search(r"(\S+)/bin/pip install", runs)
     assert venv and f"{venv[1]}/bin" in env, "the venv's kpr is not on PATH"
+
+
+# --- (e) the Helm chart: the kustomization's objects, and values operators change -----------
+
+CHART = DEPLOY / "helm" / "kpr"
+# the first test to need helm builds it (about 7 minutes on 2 cores), once per cache
+HELM_BUILD_TIMEOUT = pytest.mark.timeout(2400)
+
+
+def helm_render(*args: str) -> list[dict]:
+    from tests.helm import template
+
+    out = template(CHART, *args)
+    assert out.returncode == 0, out.stderr
+    return [d for d in yaml.safe_load_all(out.stdout) if d is not None]
+
+
+OVERRIDES = (
+    "--set", "image.repository=registry.example/kpr",
+    "--set", "image.tag=1.2.3",
+    "--set", "apiServer=https://10.0.0.10:6443",
+    "--set", "mapSizes.services=1048576",
+    "--set", "mapSizes.backends=524288",
+    "--set", "devices=eth0\\,eth1",
+    "--set", "cgroup=/sys/fs/cgroup/unified",
+    "--set-json", 'nodeSelector={"kubernetes.io/os":"linux","node-role/kpr":"yes"}',
+    "--set-json", 'tolerations=[{"key":"dedicated","operator":"Equal","value":"edge"}]',
+    "--set-json", 'resources={"requests":{"cpu":"200m"},"limits":{"memory":"1Gi"}}',
+)  # fmt: skip
+
+
+@HELM_BUILD_TIMEOUT
+def test_helm_chart_renders_the_kustomizations_objects():
+    def keyed(docs: list[dict]) -> dict[tuple[str, str], dict]:
+        return {(d["kind"], d["metadata"]["name"]): d for d in docs}
+
+    assert keyed(helm_render()) == keyed(render(DEPLOY))
+
+
+@HELM_BUILD_TIMEOUT
+@pytest.mark.parametrize("values", [(), OVERRIDES], ids=["defaults", "overrides"])
+def test_helm_chart_validates_against_the_schemas(values):
+    docs = helm_render(*values)
+    assert {d["kind"] for d in docs} == {
+        "ServiceAccount", "ClusterRole", "ClusterRoleBinding", "ConfigMap", "DaemonSet"
+    }  # fmt: skip
+    for doc in docs:
+        _validate(doc, f"helm template {CHART.relative_to(ROOT)}")
+
+
+@HELM_BUILD_TIMEOUT
+def test_helm_values_reach_the_daemonset_as_kpr_parses_it():
+    docs = by_kind(helm_render(*OVERRIDES))
+    ds = docs["DaemonSet"]
+    params = parsed_args(ds, docs["ConfigMap"])
+    assert params["master"] == "https://10.0.0.10:6443"
+    assert abi.MapSizes.parse(params["map_sizes"]) == abi.MapSizes(
+        services=1048576, backends=524288
+    )
+    assert params["devices"] == "eth0,eth1"
+    assert str(params["cgroup"]) == "/sys/fs/cgroup/unified"
+    mount, volume = covering_mount(ds, params["cgroup"])
+    assert volume["hostPath"]["path"] == mount["mountPath"] == "/sys/fs/cgroup/unified"
+    pod = ds["spec"]["template"]["spec"]
+    assert {c["image"] for c in pod["containers"] + pod["initContainers"]} == {
+        "registry.example/kpr:1.2.3"
+    }
+    assert pod["nodeSelector"] == {"kubernetes.io/os": "linux", "node-role/kpr": "yes"}
+    assert pod["tolerations"] == [{"key": "dedicated", "operator": "Equal", "value": "edge"}]
+    assert container(ds)["resources"]["limits"] == {"memory": "1Gi"}
+
+
+@HELM_BUILD_TIMEOUT
+def test_helm_chart_refuses_an_empty_api_server():
+    from tests.helm import template
+
+    out = template(CHART, "--set", "apiServer=")
+    assert out.returncode != 0 and "apiServer" in out.stderr

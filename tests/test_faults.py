@@ -383,3 +383,6 @@ def test_every_hook_detached_behind_the_agents_back_is_attached_again(lab, api, 
         assert all(r["peer"].startswith(("10.96", "[fd00:96")) for r in results)  # getpeername
     assert alive(agent)
     assert "detached behind kpr's back" in agent.log.read_text()
+    # counted as the README says (logged and counted)
+    repaired = agent.metric('kpr_drift_repairs_total{object="attachment"}')
+    assert repaired == len(loader.HOOKS)

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import json
+import os
 import re
+import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
@@ -69,6 +73,16 @@ KPR = {
     "kpr_relists_total": "counter",
     "kpr_invalid_objects_total": "counter",
     "kpr_map_write_failures_total": "counter",
+    "kpr_drift_repairs_total": "counter",
+}
+# prometheus_client's ProcessCollector: the process_* series every Kubernetes component has
+PROCESS = {
+    "process_cpu_seconds_total": "counter",
+    "process_open_fds": "gauge",
+    "process_max_fds": "gauge",
+    "process_virtual_memory_bytes": "gauge",
+    "process_resident_memory_bytes": "gauge",
+    "process_start_time_seconds": "gauge",
 }
 
 
@@ -114,7 +128,24 @@ def test_names_types_and_help_are_kube_proxys(server: MetricsServer) -> None:
         assert headers[name] == (kind, help_text), name
     for name, kind in KPR.items():
         assert headers[name][0] == kind, name
-    assert set(headers) == set(KUBE_PROXY) | set(KPR)
+    for name, kind in PROCESS.items():
+        assert headers[name][0] == kind, name
+    assert set(headers) == set(KUBE_PROXY) | set(KPR) | set(PROCESS)
+
+
+def test_process_metrics_describe_this_process(server: MetricsServer) -> None:
+    values = samples(scrape(server))
+    assert values[("process_resident_memory_bytes", ())] > 1_000_000
+    assert values[("process_open_fds", ())] >= 3
+    assert abs(values[("process_start_time_seconds", ())] - process_start_time()) < 2
+
+
+def process_start_time() -> float:
+    """This process's start (Unix seconds), from /proc/self/stat's starttime."""
+    ticks = os.sysconf("SC_CLK_TCK")
+    fields = Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()
+    uptime = float(Path("/proc/uptime").read_text().split()[0])
+    return time.time() - uptime + int(fields[19]) / ticks
 
 
 def test_no_created_series(metrics: Metrics, server: MetricsServer) -> None:
@@ -231,10 +262,34 @@ def test_registries_are_independent() -> None:
     assert b.registry.get_sample_value("kpr_map_write_failures_total") == 0
 
 
-def test_only_metrics_path_is_served(server: MetricsServer) -> None:
+def test_only_kube_proxys_paths_are_served(server: MetricsServer) -> None:
     with pytest.raises(urllib.error.HTTPError) as e:
         urllib.request.urlopen(f"http://127.0.0.1:{server.port}/other", timeout=5)
     assert e.value.code == 404
+
+
+def get(server: MetricsServer, path: str) -> tuple[int, str, bytes]:
+    with urllib.request.urlopen(f"http://127.0.0.1:{server.port}{path}", timeout=5) as r:
+        assert r.headers["X-Content-Type-Options"] == "nosniff"
+        return r.status, r.headers["Content-Type"], r.read()
+
+
+def test_metrics_port_serves_healthz_and_proxy_mode_as_kube_proxys(server: MetricsServer) -> None:
+    # component-base's healthz (the process answers), and the mode kube-proxy runs in
+    assert get(server, "/healthz") == (200, "text/plain; charset=utf-8", b"ok")
+    assert get(server, "/proxyMode") == (200, "text/plain; charset=utf-8", b"kpr")
+
+
+def test_configz_is_the_configuration_in_use(metrics: Metrics) -> None:
+    configz = {"healthzBindAddress": "0.0.0.0:10256", "iptables": {"syncPeriod": "30s"}}
+    server = MetricsServer(metrics, "127.0.0.1", 0, configz=configz)
+    server.start()
+    try:
+        code, content_type, body = get(server, "/configz")
+    finally:
+        server.stop()
+    assert (code, content_type) == (200, "application/json")
+    assert json.loads(body) == {"kubeproxy.config.k8s.io": configz}
 
 
 def test_stop_frees_the_port(metrics: Metrics) -> None:

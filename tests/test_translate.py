@@ -726,3 +726,33 @@ def test_external_ips_outside_the_allowed_cidrs_are_not_served_and_named():
     # without the flag every externalIP is served, as kube-proxy does
     everything = translate([svc], [endpoint_slice(endpoint("10.244.1.11"))], NodeContext())
     assert ip_address("192.0.2.9") in {f.address for f in everything.frontends}
+
+
+def test_no_local_endpoints_are_counted_per_port_and_policy_as_kube_proxy():
+    # two ports, endpoints only on node-2: each port counts, internal and external apart
+    https = ServicePort(name="https", protocol="TCP", port=443, node_port=30443)
+    svc = service(
+        ports=(HTTP_NP, https),
+        type="NodePort",
+        internal_traffic_policy="Local",
+        external_traffic_policy="Local",
+    )
+    slice_ports = (EndpointPort("http", "TCP", 8080), EndpointPort("https", "TCP", 8443))
+    remote = endpoint_slice(endpoint("10.244.2.11", node_name="node-2"), ports=slice_ports)
+    assert translate([svc], [remote], EXTERNAL_NODE).no_local_endpoints == {
+        ("default", "web"): (2, 2)
+    }
+    # externalTrafficPolicy alone; a ClusterIP Service has no external traffic to count
+    external_only = replace(svc, internal_traffic_policy="Cluster")
+    assert translate([external_only], [remote], EXTERNAL_NODE).no_local_endpoints == {
+        ("default", "web"): (0, 2)
+    }
+    cluster_ip = service(internal_traffic_policy="Local", external_traffic_policy="Local")
+    remote_ip = endpoint_slice(endpoint("10.244.2.11", node_name="node-2"))
+    assert translate([cluster_ip], [remote_ip], NODE).no_local_endpoints == {
+        ("default", "web"): (1, 0)
+    }
+    # a local endpoint, or no endpoint anywhere, is not counted
+    local = endpoint_slice(endpoint("10.244.1.11", node_name="node-1"), ports=slice_ports)
+    assert translate([svc], [local], EXTERNAL_NODE).no_local_endpoints == {}
+    assert translate([svc], [], EXTERNAL_NODE).no_local_endpoints == {}

@@ -27,6 +27,7 @@ from kubernetes.client.rest import ApiException
 from kubernetes.watch.watch import iter_resp_lines
 
 from kpr.gcpause import paused_gc
+from kpr.health import node_is_deleting
 from kpr.model import EndpointSlice, ObjectRef, Problem, Service, ServiceKey, Snapshot
 from kpr.objects import ObjectError, parse_endpoint_slice, parse_service
 
@@ -365,9 +366,9 @@ class KubernetesSource:
         if resource == "node":
             nodes = list(items)
             with self._lock:
-                self._node(nodes[0] if nodes else None)
-                self._store.everything_changed = True
-            self._changes.set()
+                changed = self._node(nodes[0] if nodes else None)
+            if changed:
+                self._changes.set()
             return
         fresh: dict[ObjectRef, Service | EndpointSlice] = {}
         problems: dict[ObjectRef, Problem | None] = {}
@@ -397,8 +398,10 @@ class KubernetesSource:
     def _event(self, resource: str, kind: str, obj: dict) -> None:
         with self._lock:
             if resource == "node":
-                self._node(None if kind == "DELETED" else obj)
-                self._store.everything_changed = True
+                # kubelet heartbeats update the Node every few seconds: only a change
+                # of what kpr uses (zone, being deleted) is worth a full sync
+                if not self._node(None if kind == "DELETED" else obj):
+                    return
             else:
                 table = self._table(resource)
                 ref = _ref(resource, obj)
@@ -439,10 +442,18 @@ class KubernetesSource:
             else:
                 entries.pop((resource, ref), None)
 
-    def _node(self, obj: dict | None) -> None:
+    def _node(self, obj: dict | None) -> bool:
+        """Take what kpr uses from this Node; whether any of it changed (then all of
+        the state is translated again: topology hints depend on the zone)."""
         metadata = (obj or {}).get("metadata") or {}
-        self._store.zone = (metadata.get("labels") or {}).get(ZONE_LABEL)
-        self._store.node_deleting = bool(metadata.get("deletionTimestamp"))
+        zone = (metadata.get("labels") or {}).get(ZONE_LABEL)
+        deleting = obj is not None and node_is_deleting(obj)
+        store = self._store
+        if (zone, deleting) == (store.zone, store.node_deleting):
+            return False
+        store.zone, store.node_deleting = zone, deleting
+        store.everything_changed = True
+        return True
 
     # --- the agent's side ----------------------------------------------------------
 
@@ -511,12 +522,96 @@ def _ref(resource: str, obj: dict) -> ObjectRef:
     return ObjectRef(kind, metadata.get("namespace") or "default", metadata.get("name") or "?")
 
 
-def api_client(kubeconfig: str | None, master: str | None) -> client.ApiClient:
+TOKEN_REREAD = 60.0  # seconds; client-go re-reads a kubeconfig's tokenFile this often
+
+
+class KubeconfigError(ValueError):
+    """A kubeconfig kpr cannot use: one paragraph naming the file and what is wrong."""
+
+
+def _kubeconfig_error(path: str, origin: str, problem: str) -> KubeconfigError:
+    return KubeconfigError(
+        f"{path} ({origin}): {problem}. kpr needs a kubeconfig it can read, whose current "
+        "context names a cluster with a server and a user with credentials; in a pod, mount "
+        "it (kube-proxy's ConfigMap puts kubeconfig.conf under /var/lib/kube-proxy) and the "
+        "ServiceAccount token it names."
+    )
+
+
+def _check_kubeconfig(path: str, origin: str) -> dict:
+    """The kubeconfig document, after checking what the client would fail on later with a
+    traceback: the file, its YAML, the current context, and the files it names."""
+    import yaml
+
+    try:
+        with open(path) as f:
+            doc = yaml.safe_load(f)
+    except OSError as err:
+        raise _kubeconfig_error(path, origin, err.strerror or str(err)) from None
+    except yaml.YAMLError as err:
+        detail = " ".join(str(err).split())  # one paragraph: YAML errors span lines
+        raise _kubeconfig_error(path, origin, f"not valid YAML ({detail})") from None
+    if not isinstance(doc, dict) or doc.get("kind", "Config") != "Config":
+        raise _kubeconfig_error(path, origin, "not a kubeconfig (kind: Config)")
+    current = doc.get("current-context")
+
+    def named(section: str, name: object) -> dict:
+        for entry in doc.get(section) or []:
+            if isinstance(entry, dict) and entry.get("name") == name:
+                return entry
+        raise _kubeconfig_error(path, origin, f"{section} has no entry named {name!r}")
+
+    if not current:
+        raise _kubeconfig_error(path, origin, "no current-context")
+    context = named("contexts", current).get("context") or {}
+    cluster = named("clusters", context.get("cluster")).get("cluster") or {}
+    user = named("users", context.get("user")).get("user") or {} if context.get("user") else {}
+    if not cluster.get("server"):
+        raise _kubeconfig_error(path, origin, f"cluster {context.get('cluster')!r} has no server")
+    base = os.path.dirname(os.path.abspath(path))
+    for where, section, key in (
+        ("cluster", cluster, "certificate-authority"),
+        ("user", user, "tokenFile"),
+        ("user", user, "client-certificate"),
+        ("user", user, "client-key"),
+    ):
+        if section.get(key) and not section.get(f"{key}-data"):
+            named_file = os.path.join(base, section[key])
+            if not os.access(named_file, os.R_OK):
+                raise _kubeconfig_error(
+                    path, origin, f"the {where}'s {key} {named_file} cannot be read"
+                )
+    return doc
+
+
+def _reread_token(token_file: str) -> Callable[[client.Configuration], None]:
+    """A refresh hook: bound ServiceAccount tokens are rotated in their file by the
+    kubelet; read it again, as client-go does, at most once a minute."""
+    read_at = time.monotonic()
+
+    def refresh(configuration: client.Configuration) -> None:
+        nonlocal read_at
+        if time.monotonic() - read_at < TOKEN_REREAD:
+            return
+        read_at = time.monotonic()
+        try:
+            with open(token_file) as f:
+                configuration.api_key["BearerToken"] = f"Bearer {f.read().strip()}"
+        except OSError as err:  # keep the token we have; the file may be mid-rotation
+            log.warning("cannot read the token file %s again: %s", token_file, err)
+
+    return refresh
+
+
+def api_client(
+    kubeconfig: str | None, master: str | None, origin: str = "--kubeconfig"
+) -> client.ApiClient:
     """The API server to talk to: a kubeconfig, else in-cluster credentials, else
     `master` alone. `master` overrides the address in every case: in-cluster, the
     default is the kubernetes Service's ClusterIP, which nothing serves until kpr
-    itself runs."""
+    itself runs. `origin` says where the kubeconfig's path came from, for errors."""
     from kubernetes import config
+    from kubernetes.config.config_exception import ConfigException
     from kubernetes.config.incluster_config import (
         SERVICE_CERT_FILENAME,
         SERVICE_TOKEN_FILENAME,
@@ -525,7 +620,21 @@ def api_client(kubeconfig: str | None, master: str | None) -> client.ApiClient:
 
     configuration = client.Configuration()
     if kubeconfig:
-        config.load_kube_config(config_file=kubeconfig, client_configuration=configuration)
+        doc = _check_kubeconfig(kubeconfig, origin)
+        try:
+            config.load_kube_config(config_file=kubeconfig, client_configuration=configuration)
+        except (ConfigException, ValueError, KeyError, TypeError) as err:
+            raise _kubeconfig_error(kubeconfig, origin, str(err).rstrip(".")) from None
+        context = next(c for c in doc["contexts"] if c.get("name") == doc["current-context"])
+        user_name = (context.get("context") or {}).get("user")
+        user = next(
+            (u.get("user") or {} for u in doc.get("users") or [] if u.get("name") == user_name), {}
+        )
+        if user.get("tokenFile") and not user.get("token"):
+            token_file = os.path.join(
+                os.path.dirname(os.path.abspath(kubeconfig)), user["tokenFile"]
+            )
+            configuration.refresh_api_key_hook = _reread_token(token_file)
     elif os.path.exists(SERVICE_TOKEN_FILENAME):
         environ = dict(os.environ)
         if master:  # the loader insists on these; the host is replaced below anyway

@@ -1,0 +1,84 @@
+"""The Kubernetes source's handling of this Node, fed as its watchers feed it (no server)."""
+
+from __future__ import annotations
+
+import pytest
+
+from kpr.sources.kubernetes import KubernetesSource, api_client
+from tests.kube import endpoint_slice, service
+
+
+def node(rv: str, zone: str | None = "zone-a", **extra: object) -> dict:
+    metadata: dict = {"name": "node-1", "resourceVersion": rv}
+    if zone:
+        metadata["labels"] = {"topology.kubernetes.io/zone": zone}
+    metadata.update(extra.pop("metadata", {}))
+    return {"apiVersion": "v1", "kind": "Node", "metadata": metadata, **extra}
+
+
+def heartbeat(rv: str, **extra: object) -> dict:
+    """What a kubelet writes every few seconds: new conditions' times, nothing kpr uses."""
+    return node(
+        rv,
+        status={"conditions": [{"type": "Ready", "status": "True", "lastHeartbeatTime": rv}]},
+        **extra,
+    )
+
+
+@pytest.fixture
+def source() -> KubernetesSource:
+    source = KubernetesSource(api_client(None, "http://127.0.0.1:1"), "node-1")
+    for watcher in source.watchers:  # as if every first list had completed
+        watcher.stats.synced = True
+    source._listed("services-0", [service("web", ["10.96.0.10"], [("http", 80, "TCP")])])
+    source._listed(
+        "endpointslices-0", [endpoint_slice("web", ["10.244.0.5"], [("http", 8080, "TCP")])]
+    )
+    source._listed("node", [node("1")])
+    assert source.wait(0)
+    first = source.poll()
+    assert first is not None and first.changed is None and first.zone == "zone-a"
+    return source
+
+
+def test_a_node_heartbeat_does_not_trigger_a_resync(source: KubernetesSource) -> None:
+    source._event("node", "MODIFIED", heartbeat("2"))
+    source._event("node", "MODIFIED", heartbeat("3"))
+    assert not source.wait(0)
+    assert source.poll() is None
+
+
+def test_a_zone_change_triggers_a_full_resync(source: KubernetesSource) -> None:
+    source._event("node", "MODIFIED", node("2", zone="zone-b"))
+    assert source.wait(0)
+    snapshot = source.poll()
+    assert snapshot is not None and snapshot.changed is None and snapshot.zone == "zone-b"
+
+
+def test_a_relist_of_an_unchanged_node_does_not_resync(source: KubernetesSource) -> None:
+    source._listed("node", [heartbeat("9")])
+    assert source.poll() is None
+
+
+@pytest.mark.parametrize(
+    "draining",
+    [
+        {"spec": {"taints": [{"key": "ToBeDeletedByClusterAutoscaler", "effect": "NoSchedule"}]}},
+        {"metadata": {"deletionTimestamp": "2026-12-01T10:00:00Z"}},
+    ],
+    ids=["autoscaler-taint", "deletion-timestamp"],
+)
+def test_a_draining_node_is_reported_as_deleting(source: KubernetesSource, draining: dict) -> None:
+    source._event("node", "MODIFIED", node("2", **draining))
+    snapshot = source.poll()
+    assert snapshot is not None and snapshot.node_deleting
+    # and back: the autoscaler removes its taint when it gives up scaling down
+    source._event("node", "MODIFIED", node("3"))
+    snapshot = source.poll()
+    assert snapshot is not None and not snapshot.node_deleting
+
+
+def test_other_taints_do_not_drain(source: KubernetesSource) -> None:
+    tainted = node("2", spec={"taints": [{"key": "node.kubernetes.io/unschedulable"}]})
+    source._event("node", "MODIFIED", tainted)
+    assert source.poll() is None

@@ -1,0 +1,80 @@
+"""The health and metrics servers under load: request timeouts and a bound on connections."""
+
+from __future__ import annotations
+
+import http.client
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator
+
+import pytest
+
+from kpr.health import HealthServer, ProxyHealth
+from kpr.metrics import Metrics, MetricsServer
+from kpr.serving import BackgroundServer
+
+TIMEOUT = 0.5
+BOUND = 8
+
+Factory = Callable[..., BackgroundServer]
+SERVERS: dict[str, tuple[Factory, str]] = {
+    "healthz": (lambda **kw: HealthServer(ProxyHealth(30.0), Metrics(), **kw), "/healthz"),
+    "metrics": (lambda **kw: MetricsServer(Metrics(), **kw), "/metrics"),
+}
+
+
+@pytest.fixture(params=sorted(SERVERS))
+def served(request: pytest.FixtureRequest) -> Iterator[tuple[BackgroundServer, str]]:
+    make, path = SERVERS[request.param]
+    server = make(host="127.0.0.1", port=0, request_timeout=TIMEOUT, max_connections=BOUND)
+    server.start()
+    yield server, path
+    server.stop()
+
+
+def idle_connections(port: int, count: int) -> list[socket.socket]:
+    """Clients that connect and send nothing, as a port scanner or a stuck probe does."""
+    return [socket.create_connection(("127.0.0.1", port), timeout=5) for _ in range(count)]
+
+
+def get(port: int, path: str) -> int:
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
+    try:
+        conn.request("GET", path)
+        return conn.getresponse().status
+    finally:
+        conn.close()
+
+
+def test_an_idle_connection_is_closed_after_the_request_timeout(
+    served: tuple[BackgroundServer, str],
+) -> None:
+    server, _ = served
+    (client,) = idle_connections(server.port, 1)
+    began = time.monotonic()
+    try:
+        assert client.recv(1) == b""  # closed by the server, not by our 5s timeout
+    finally:
+        client.close()
+    assert time.monotonic() - began < TIMEOUT + 2
+
+
+def test_idle_connections_beyond_the_bound_hold_no_thread_and_requests_are_served(
+    served: tuple[BackgroundServer, str],
+) -> None:
+    server, path = served
+    before = threading.active_count()
+    clients = idle_connections(server.port, 200)
+    try:
+        time.sleep(TIMEOUT / 2)
+        assert threading.active_count() <= before + BOUND
+        # a probe arriving now is served once the idle ones time out, not refused for ever
+        assert get(server.port, path) == 200
+    finally:
+        for client in clients:
+            client.close()
+    deadline = time.monotonic() + 5
+    while threading.active_count() > before and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert threading.active_count() <= before
