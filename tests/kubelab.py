@@ -88,14 +88,21 @@ class Kube:
         return name
 
     def pod(
-        self, namespace: str, index: int, node: str = NODE, app: str = "echo", ready=True
+        self,
+        namespace: str,
+        index: int,
+        node: str = NODE,
+        app: str = "echo",
+        ready=True,
+        name: str | None = None,
     ) -> str:
-        """The API Pod for lab pod `index` (its addresses), bound to `node`."""
+        """An API Pod (named after lab pod `index` unless `name`) with that lab pod's
+        addresses, bound to `node`."""
         lab_pod = self.lab.pods[index]
         objects.create_pod(
             self.core,
             namespace,
-            lab_pod.name,
+            name or lab_pod.name,
             node,
             [str(lab_pod.ipv4), str(lab_pod.ipv6)],
             {"app": app},

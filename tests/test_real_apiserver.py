@@ -238,10 +238,9 @@ def test_service_updates_and_deletes_follow_the_api(kube, agent, ns):
     svc = kube.service(ns, "echo")
     vip = cluster_ip(svc)
     eventually(lambda: kube.reached(vip) == kube.names(0, 1))
-    kube.core.patch_namespaced_service(
-        "echo", ns, {"spec": {"ports": [{"name": "http", "port": 81, "protocol": "TCP",
-                                         "targetPort": 8080}]}}
-    )  # fmt: skip
+    current = kube.core.read_namespaced_service("echo", ns)
+    current.spec.ports[0].port = 81
+    kube.core.replace_namespaced_service("echo", ns, current)
     eventually(lambda: kube.reached(vip, 81) == kube.names(0, 1), what="the new port")
     eventually(lambda: f"{vip}:80/TCP" not in agent.frontends(), what="the old port gone")
     kube.core.delete_namespaced_service("echo", ns)

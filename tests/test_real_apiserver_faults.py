@@ -14,6 +14,7 @@ import signal
 import subprocess
 import sys
 import time
+import uuid
 
 import pytest
 
@@ -68,7 +69,7 @@ def move(kube: Kube, ns: str, index: int) -> None:
     """Service `moving` gets lab pod `index` instead of the pods it had."""
     for pod in kube.core.list_namespaced_pod(ns, label_selector="app=moving").items:
         objects.force_delete(kube.core, ns, pod.metadata.name)
-    kube.pod(ns, index, app="moving")
+    kube.pod(ns, index, app="moving", name=f"moving-{uuid.uuid4().hex[:6]}")
 
 
 def assert_no_failure(result: dict) -> None:
