@@ -267,7 +267,7 @@ def service_report(
     if service is None:
         raise LookupError(f"Service {namespace}/{name} is not in {state.source}")
     explained = explain(service, slices, node_context(state.node))
-    programmed = programmed_view(_read_programmed(pin_dir))
+    programmed = programmed_view(read_programmed(pin_dir))
     for port in explained["ports"]:
         for frontend in port["frontends"]:
             frontend["maps"] = programmed.get(frontend["frontend"])
@@ -278,7 +278,8 @@ def service_report(
     return explained
 
 
-def _read_programmed(pin_dir: Path) -> ProgrammedState:
+def read_programmed(pin_dir: Path) -> ProgrammedState:
+    """What the pinned maps hold now."""
     maps = BpfMaps(pin_dir)
     try:
         return maps.read()

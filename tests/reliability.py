@@ -21,10 +21,9 @@ from dataclasses import dataclass, field
 from ipaddress import ip_address
 from pathlib import Path
 
-from kpr.datapath.maps import BpfMaps
 from kpr.datapath.plan import ProgrammedState
 from kpr.lab.netns import Lab
-from kpr.status import programmed_view
+from kpr.status import programmed_view, read_programmed
 from tests import kube
 from tests.apiserver import TestApiServer
 
@@ -104,12 +103,7 @@ def expected_counts(view: dict[str, list[str]]) -> dict[str, int]:
     return counts
 
 
-def read_maps(pin_dir: Path) -> ProgrammedState:
-    maps = BpfMaps(pin_dir)
-    try:
-        return maps.read()
-    finally:
-        maps.close()
+read_maps = read_programmed  # tests read the pinned maps as `kpr status` does
 
 
 def view_of(state: ProgrammedState) -> dict[str, list[str]]:
