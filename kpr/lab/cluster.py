@@ -181,3 +181,36 @@ class Cluster:
         self.nodes.clear()
         if failures:
             raise RuntimeError("cluster lab clean-up incomplete: " + "; ".join(failures))
+
+
+def main(argv: list[str] | None = None) -> int:
+    """python -m kpr.lab.cluster up DIR [--nodes N] [--proxy P] | down DIR
+
+    up DIR    a real Kubernetes cluster (kpr.lab.kube.cluster): control plane, N kubelet +
+              containerd nodes, kpr installed from deploy/ as the DaemonSet (or --proxy
+              kube-proxy-iptables, or none); writes DIR/kubeconfig and runs until SIGTERM,
+              SIGINT or `down DIR`
+    down DIR  stop what `up DIR` started
+    """
+    import argparse
+
+    from kpr.lab.kube import cluster
+
+    parser = argparse.ArgumentParser(prog="python -m kpr.lab.cluster", description=main.__doc__)
+    commands = parser.add_subparsers(dest="command", required=True)
+    start = commands.add_parser("up")
+    start.add_argument("directory", type=Path)
+    start.add_argument("--nodes", type=int, default=2)
+    start.add_argument("--proxy", choices=cluster.PROXIES, default="kpr")
+    stop = commands.add_parser("down")
+    stop.add_argument("directory", type=Path)
+    args = parser.parse_args(argv)
+    if args.command == "up":
+        return cluster.up(args.directory, args.nodes, args.proxy)
+    for line in cluster.down(args.directory):
+        print(f"stopped {line}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -28,6 +28,7 @@ from pathlib import Path
 import yaml
 
 from kpr.host import process_alive
+from kpr.lab.kube.forward import Forwarder
 from kpr.lab.netns import _delete_netns, _ip_batch, _netns_names, _run
 
 SERVICE_CIDRS = ("10.96.0.0/16", "fd00:96::/112")
@@ -100,10 +101,17 @@ class ControlPlane:
     controllers: tuple[str, ...] = CONTROLLERS
     extra_apiserver_args: list[str] = field(default_factory=list)
     extra_controller_manager_args: list[str] = field(default_factory=list)
+    # Run every component inside the lab's namespace, the API server reachable from nodes at
+    # ADVERTISE_IPV4 (a real cluster's kubelets, pods and kpr) and able to reach kubelets and
+    # pods itself; the machine reaches each port on its loopback through a forwarder.
+    in_netns: bool = False
+    # More token users (name: (user, groups)), e.g. kubelets as system:node:NAME.
+    extra_users: dict[str, tuple[str, str]] = field(default_factory=dict)
     lab_id: str = ""
     ports: dict[str, int] = field(default_factory=dict)
     components: list[Component] = field(default_factory=list)
     tokens: dict[str, str] = field(default_factory=dict)
+    forwarders: list[Forwarder] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.directory = self.directory.resolve()
@@ -133,6 +141,19 @@ class ControlPlane:
     def netns(self) -> str:
         return f"{self.lab_id}-api"
 
+    @property
+    def netns_path(self) -> str:
+        return f"/run/netns/{self.netns}"
+
+    @property
+    def advertised_url(self) -> str:
+        """The API server as nodes and pods reach it (in_netns only)."""
+        return f"https://{ADVERTISE_IPV4}:{self.ports['apiserver']}"
+
+    @property
+    def users(self) -> dict[str, tuple[str, str]]:
+        return {**USERS, **self.extra_users}
+
     # -- life cycle ----------------------------------------------------------------------------
 
     def __enter__(self) -> ControlPlane:
@@ -145,6 +166,11 @@ class ControlPlane:
     def start(self) -> None:
         try:
             self._prepare()
+            if self.in_netns:
+                self.forwarders = [
+                    Forwarder(None, port, connect_netns=self.netns_path)
+                    for port in self.ports.values()
+                ]
             for component in self.components:
                 self._launch(component)
                 self._wait_ready(component)
@@ -158,6 +184,9 @@ class ControlPlane:
             if component.process is not None:
                 _stop_process(component.process)
                 component.process = None
+        for forwarder in self.forwarders:
+            forwarder.close()
+        self.forwarders = []
         if self.netns in _netns_names():
             _delete_netns(self.netns)
         with contextlib.suppress(FileNotFoundError):
@@ -201,14 +230,14 @@ class ControlPlane:
         }
         self._advertise_namespace()
         self._make_pki()
-        self.tokens = {name: os.urandom(16).hex() for name in USERS}
+        self.tokens = {name: os.urandom(16).hex() for name in self.users}
         (self.directory / "pki" / "tokens.csv").write_text(
             "".join(
                 f'{self.tokens[name]},{user},{user},"{groups}"\n'
-                for name, (user, groups) in USERS.items()
+                for name, (user, groups) in self.users.items()
             )
         )
-        for name in USERS:
+        for name in self.users:
             self.write_kubeconfig(self.directory / f"{name}.kubeconfig", self.tokens[name])
         self.kubeconfig.unlink(missing_ok=True)
         (self.directory / "admin.kubeconfig").rename(self.kubeconfig)
@@ -265,6 +294,20 @@ class ControlPlane:
             *("x509", "-req", "-in", str(pki / "apiserver.csr"), "-CA", str(self.ca_file)),
             *("-CAkey", str(pki / "ca.key"), "-CAcreateserial", "-days", "30"),
             *("-extfile", str(pki / "serving.ext"), "-out", str(pki / "apiserver.crt")),
+        )
+        # The API server's client certificate for kubelets (exec, logs, proxy), in
+        # system:masters so the kubelets' webhook authorization allows it everything.
+        openssl("genrsa", "-out", str(pki / "kubelet-client.key"), "2048")
+        openssl(
+            *("req", "-new", "-key", str(pki / "kubelet-client.key")),
+            *("-subj", "/O=system:masters/CN=kube-apiserver-kubelet-client"),
+            *("-out", str(pki / "kubelet-client.csr")),
+        )
+        (pki / "client.ext").write_text("extendedKeyUsage=clientAuth\n")
+        openssl(
+            *("x509", "-req", "-in", str(pki / "kubelet-client.csr"), "-CA", str(self.ca_file)),
+            *("-CAkey", str(pki / "ca.key"), "-CAcreateserial", "-days", "30"),
+            *("-extfile", str(pki / "client.ext"), "-out", str(pki / "kubelet-client.crt")),
         )
         # One RSA key signs and verifies ServiceAccount tokens.
         openssl("genrsa", "-out", str(pki / "sa.key"), "2048")
@@ -327,7 +370,7 @@ class ControlPlane:
                 [
                     str(b / "kube-apiserver"),
                     f"--etcd-servers={etcd_url}",
-                    "--bind-address=127.0.0.1",
+                    f"--bind-address={'0.0.0.0' if self.in_netns else '127.0.0.1'}",
                     f"--secure-port={p['apiserver']}",
                     f"--advertise-address={ADVERTISE_IPV4}",
                     f"--tls-cert-file={pki / 'apiserver.crt'}",
@@ -343,6 +386,9 @@ class ControlPlane:
                     "--profiling=false",
                     f"--audit-policy-file={pki / 'audit-policy.yaml'}",
                     f"--audit-log-path={self.audit_log}",
+                    f"--kubelet-client-certificate={pki / 'kubelet-client.crt'}",
+                    f"--kubelet-client-key={pki / 'kubelet-client.key'}",
+                    "--kubelet-preferred-address-types=InternalIP",
                     *self.extra_apiserver_args,
                 ],
             ),
@@ -367,9 +413,10 @@ class ControlPlane:
 
     def _launch(self, component: Component) -> None:
         log = open(self.directory / "logs" / f"{component.name}.log", "ab")  # noqa: SIM115
+        enter = ["nsenter", f"--net={self.netns_path}", "--"] if self.in_netns else []
         try:
             component.process = subprocess.Popen(
-                component.argv,
+                [*enter, *component.argv],
                 stdin=subprocess.DEVNULL,
                 stdout=log,
                 stderr=log,

@@ -1,11 +1,14 @@
-"""A TCP forwarder from a lab network namespace to the API server on the machine's loopback.
+"""A TCP forwarder between two network namespaces, for the lab.
 
-The control plane listens on 127.0.0.1 in the machine's own namespace, which a lab node's
-namespace cannot reach. A node's kpr runs in the node's namespace (as on a real node) and
-connects to 127.0.0.1:PORT there; this forwards each connection to the API server. The
-listening socket is made inside the node's namespace by a thread that enters it with setns(2)
-(a socket stays in the namespace it was made in), and every connection to the API server is
-made from the machine's namespace, so nothing is added to either namespace's links or routes.
+Two uses. A node's kpr in the machine's-loopback control plane's lab (`ControlPlane()`)
+connects to 127.0.0.1:PORT in the node's namespace, which is forwarded to the API server on
+the machine's loopback. And a control plane that runs inside its own namespace (the real
+cluster: the API server must reach kubelets and pods) is reached from the machine's loopback
+through forwarders the other way, so kubectl and the tests keep using 127.0.0.1:PORT.
+
+A socket stays in the namespace it was made in: each one is made by a short thread that
+entered the namespace with setns(2) (only that thread's namespace changes), so nothing is added
+to either namespace's links or routes.
 """
 
 from __future__ import annotations
@@ -15,47 +18,66 @@ import ctypes
 import os
 import socket
 import threading
+from collections.abc import Callable
+from typing import TypeVar
 
 CLONE_NEWNET = 0x40000000
 _libc = ctypes.CDLL(None, use_errno=True)
+T = TypeVar("T")
 
 
-def _socket_in_netns(netns_path: str, host: str, port: int) -> socket.socket:
+def in_netns(netns_path: str | None, function: Callable[[], T]) -> T:
+    """Run `function` in a thread that entered `netns_path` (None: here), return its result."""
+    if netns_path is None:
+        return function()
     made: dict[str, object] = {}
 
-    def enter_and_listen() -> None:
-        # setns changes only this thread's namespace; the thread ends right after.
+    def enter_and_run() -> None:
         target = os.open(netns_path, os.O_RDONLY)
         try:
             if _libc.setns(target, CLONE_NEWNET) != 0:
                 errno = ctypes.get_errno()
                 made["error"] = OSError(errno, f"setns({netns_path}): {os.strerror(errno)}")
                 return
-            listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            listener.bind((host, port))
-            listener.listen(128)
-            made["socket"] = listener
-        except OSError as err:
+            made["result"] = function()
+        except BaseException as err:  # noqa: BLE001 - re-raised in the caller's thread
             made["error"] = err
         finally:
             os.close(target)
 
-    thread = threading.Thread(target=enter_and_listen, name="kpr-forward-setns")
+    thread = threading.Thread(target=enter_and_run, name="kpr-setns")
     thread.start()
     thread.join()
     if "error" in made:
         raise made["error"]  # type: ignore[misc]
-    return made["socket"]  # type: ignore[return-value]
+    return made["result"]  # type: ignore[return-value]
+
+
+def _listener(host: str, port: int) -> socket.socket:
+    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    listener.bind((host, port))
+    listener.listen(128)
+    return listener
 
 
 class Forwarder:
-    """Listens on host:port inside `netns_path`; forwards to 127.0.0.1:target_port here."""
+    """Listens on host:port inside `netns_path` (None: the machine's namespace) and forwards
+    each connection to connect_host:target_port inside `connect_netns` (None: here)."""
 
-    def __init__(self, netns_path: str, target_port: int, host: str = "127.0.0.1", port=0):
-        self.listener = _socket_in_netns(netns_path, host, port or target_port)
+    def __init__(
+        self,
+        netns_path: str | None,
+        target_port: int,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        connect_netns: str | None = None,
+        connect_host: str = "127.0.0.1",
+    ) -> None:
+        self.listener = in_netns(netns_path, lambda: _listener(host, port or target_port))
         self.port = self.listener.getsockname()[1]
-        self.target_port = target_port
+        self.target = (connect_host, target_port)
+        self.connect_netns = connect_netns
         self._closed = threading.Event()
         self._sockets: set[socket.socket] = set()
         self._lock = threading.Lock()
@@ -68,7 +90,9 @@ class Forwarder:
             except OSError:
                 return  # closed
             try:
-                upstream = socket.create_connection(("127.0.0.1", self.target_port), timeout=5)
+                upstream = in_netns(self.connect_netns, self._socket)
+                upstream.settimeout(5)
+                upstream.connect(self.target)
                 upstream.settimeout(None)
             except OSError:
                 client.close()
@@ -77,6 +101,10 @@ class Forwarder:
                 self._sockets |= {client, upstream}
             for source, sink in ((client, upstream), (upstream, client)):
                 threading.Thread(target=self._pump, args=(source, sink), daemon=True).start()
+
+    @staticmethod
+    def _socket() -> socket.socket:
+        return socket.socket(socket.AF_INET, socket.SOCK_STREAM)
 
     def _pump(self, source: socket.socket, sink: socket.socket) -> None:
         try:
