@@ -25,7 +25,7 @@ import yaml
 
 from kpr.lab.kube import build
 from kpr.lab.kube.controlplane import ControlPlane, stop_recorded
-from kpr.lab.kube.node import Node
+from kpr.lab.kube.node import Node, remove
 
 REPO = Path(__file__).resolve().parents[3]
 KPR_IMAGE = "localhost/kpr:0.1.0"
@@ -146,6 +146,7 @@ class RealCluster:
             for index, name in enumerate(names, start=1):
                 node = Node(self.plane, self.bin_dir, self.directory / name, index, name)
                 self.members.append(node)
+                self._save_state()
                 node.start(images=list(images.values()))
             for node in self.members:
                 for other in self.members:
@@ -233,7 +234,7 @@ class RealCluster:
         state = {
             "owner": os.getpid(),
             "proxy": self.proxy,
-            "nodes": {n.name: {"ip": n.ip, "netns": n.netns_path} for n in self.members},
+            "nodes": {n.name: n.record() for n in self.members},
         }
         (self.directory / "cluster.json").write_text(json.dumps(state, indent=1))
 
@@ -273,5 +274,11 @@ def down(directory: Path, timeout: float = 120.0) -> list[str]:
         deadline = time.monotonic() + timeout
         while pid_file.exists() and time.monotonic() < deadline:
             time.sleep(0.2)
+    state = directory / "cluster.json"
+    if state.exists():  # `up` is gone without stopping: its nodes are still there
+        for name, record in json.loads(state.read_text())["nodes"].items():
+            remove(record)
+            stopped.append(f"node {name}")
+        state.unlink()
     stopped += stop_recorded(directory / "control-plane")
     return stopped

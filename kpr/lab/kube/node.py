@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import signal
 import subprocess
 import time
@@ -156,16 +157,21 @@ class Node:
         containerd = self.processes.pop("containerd", None)
         if containerd is not None:
             _stop_process(containerd)
-        with contextlib.suppress(FileNotFoundError, RuntimeError):
-            _remove_cgroup(self.cgroup)
         for process in self.processes.values():
-            _stop_process(process, sig=signal.SIGKILL)
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(process.pid, signal.SIGKILL)  # the holder: the mounts go with it
         self.processes.clear()
-        self._remove_v1_cgroups()
-        if self.netns in _netns_names():
-            _delete_netns(self.netns)
-        with contextlib.suppress(RuntimeError):
-            _run(["ip", "-n", self.plane.netns, "link", "del", self.name])
+        remove(self.record())
+
+    def record(self) -> dict[str, str]:
+        """What `remove` needs when this object is gone (kpr.lab.cluster down)."""
+        return {
+            "cgroup": str(self.cgroup),
+            "cgroup_root": self.cgroup_root,
+            "netns": self.netns,
+            "plane_netns": self.plane.netns,
+            "link": self.name,
+        }
 
     # -- set-up --------------------------------------------------------------------------------
 
@@ -245,41 +251,12 @@ class Node:
                 f"{self.name}: mount namespace set-up failed: "
                 f"{(self._path('logs') / 'mounts.log').read_text()[-500:]}"
             )
-        for controller in self._v1_controllers():
+        for controller in v1_controllers():
             path = controller / self.cgroup_root.lstrip("/")
             path.mkdir(exist_ok=True)
             if controller.name == "cpuset":  # a new cpuset has no CPUs until given its parent's
                 for knob in ("cpuset.cpus", "cpuset.mems"):
                     (path / knob).write_text((controller / knob).read_text())
-
-    @staticmethod
-    def _v1_controllers() -> list[Path]:
-        return [
-            CGROUP_V1 / name
-            for name in (
-                "cpu",
-                "cpuacct",
-                "cpuset",
-                "memory",
-                "devices",
-                "freezer",
-                "blkio",
-                "pids",
-                "systemd",
-            )
-            if (CGROUP_V1 / name).is_dir()
-        ]
-
-    def _remove_v1_cgroups(self) -> None:
-        for controller in self._v1_controllers():
-            path = controller / self.cgroup_root.lstrip("/")
-            if not path.exists():
-                continue
-            for child in sorted((p for p in path.rglob("*") if p.is_dir()), reverse=True):
-                with contextlib.suppress(OSError):
-                    child.rmdir()
-            with contextlib.suppress(OSError):
-                path.rmdir()
 
     def _write_config(self) -> None:
         (self._path("containerd.toml")).write_text(
@@ -294,6 +271,9 @@ disabled_plugins = ["io.containerd.snapshotter.v1.aufs", "io.containerd.snapshot
   address = "/run/containerd/containerd.sock"
 [plugins."io.containerd.grpc.v1.cri"]
   sandbox_image = "{SANDBOX_IMAGE}"
+  # Lowering a process's oom_score_adj needs CAP_SYS_RESOURCE, which a lab machine's root may
+  # lack: clamp to containerd's own (kubelet asks -998 for sandboxes).
+  restrict_oom_score_adj = true
   [plugins."io.containerd.grpc.v1.cri".containerd]
     snapshotter = "overlayfs"
     default_runtime_name = "runc"
@@ -425,3 +405,29 @@ disabled_plugins = ["io.containerd.snapshotter.v1.aufs", "io.containerd.snapshot
         if not path.exists():
             return "(no log)"
         return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+
+
+def v1_controllers() -> list[Path]:
+    names = ("cpu", "cpuacct", "cpuset", "memory", "devices", "freezer", "blkio", "pids", "systemd")
+    return [CGROUP_V1 / name for name in names if (CGROUP_V1 / name).is_dir()]
+
+
+def remove(record: dict[str, str]) -> None:
+    """Kill everything in a node's cgroup (containers, shims, containerd, the mount namespace's
+    holder), remove its cgroups (v2 tree and kubelet's v1 root), its namespace and its link."""
+    with contextlib.suppress(FileNotFoundError, RuntimeError):
+        _remove_cgroup(Path(record["cgroup"]))
+    for controller in v1_controllers():
+        path = controller / record["cgroup_root"].lstrip("/")
+        if not path.exists():
+            continue
+        for child in sorted((p for p in path.rglob("*") if p.is_dir()), reverse=True):
+            with contextlib.suppress(OSError):
+                child.rmdir()
+        with contextlib.suppress(OSError):
+            path.rmdir()
+    if record["netns"] in _netns_names():
+        _delete_netns(record["netns"])
+    if record["plane_netns"] in _netns_names():
+        with contextlib.suppress(RuntimeError):
+            _run(["ip", "-n", record["plane_netns"], "link", "del", record["link"]])
