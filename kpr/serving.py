@@ -11,12 +11,16 @@ waited longest is closed.
 from __future__ import annotations
 
 import contextlib
+import logging
 import selectors
 import socket
 import socketserver
+import sys
 import threading
 import time
 from collections import OrderedDict
+
+log = logging.getLogger(__name__)
 
 POLL_INTERVAL = 0.05  # how soon stop() is noticed, and a waiting request is picked up
 REQUEST_TIMEOUT = 10.0  # seconds a client has to send its request (and to read the reply)
@@ -37,6 +41,14 @@ class BoundedThreadingMixIn(socketserver.ThreadingMixIn):
     _slots: threading.BoundedSemaphore
     _waiting: OrderedDict[socket.socket, tuple[float, object]]
     _selector: selectors.BaseSelector
+
+    def handle_error(self, request: object, client_address: object) -> None:
+        """A client that went away before its answer (a probe past its timeout) is no error
+        worth a traceback; anything else is, as socketserver prints it."""
+        if isinstance(sys.exc_info()[1], ConnectionError):
+            log.debug("%s went away before its answer", client_address)
+            return
+        super().handle_error(request, client_address)  # type: ignore[misc]
 
     def server_activate(self) -> None:
         self._slots = threading.BoundedSemaphore(self.max_connections)

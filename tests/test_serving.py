@@ -78,3 +78,15 @@ def test_idle_connections_beyond_the_bound_hold_no_thread_and_requests_are_serve
     while threading.active_count() > before and time.monotonic() < deadline:
         time.sleep(0.05)
     assert threading.active_count() <= before
+
+
+def test_a_client_gone_before_its_answer_is_no_traceback_and_a_bug_still_is(served, capsys):
+    """A kubelet probe past its 1 s timeout while BCC compiles closes before the answer: the
+    agent's log got a traceback for each one. A real error in a handler still prints one."""
+    server, _ = served
+    for error, shown in ((BrokenPipeError(32, "Broken pipe"), False), (ValueError("bug"), True)):
+        try:
+            raise error
+        except Exception:
+            server._server.handle_error(None, ("10.250.0.11", 53112))
+        assert ("Traceback" in capsys.readouterr().err) is shown, error
