@@ -82,3 +82,27 @@ def test_other_taints_do_not_drain(source: KubernetesSource) -> None:
     tainted = node("2", spec={"taints": [{"key": "node.kubernetes.io/unschedulable"}]})
     source._event("node", "MODIFIED", tainted)
     assert source.poll() is None
+
+
+def test_master_stays_the_address_with_in_cluster_credentials(tmp_path, monkeypatch):
+    """In a pod (the DaemonSet) with --master set, every request goes to --master: the
+    in-cluster loader's token refresh, run before each request, must not put the kubernetes
+    Service's ClusterIP back (nothing serves it until kpr runs: found on the real-node lab)."""
+    from kubernetes import client as k8s_client
+    from kubernetes.config import incluster_config
+
+    from tests.apiserver import TestApiServer
+
+    token, ca = tmp_path / "token", tmp_path / "ca.crt"
+    token.write_text("pod-token")
+    ca.write_text("unused: the test server is plain HTTP\n")
+    monkeypatch.setattr(incluster_config, "SERVICE_TOKEN_FILENAME", str(token))
+    monkeypatch.setattr(incluster_config, "SERVICE_CERT_FILENAME", str(ca))
+    # What the kubelet gives every pod: the kubernetes Service, here an address nothing serves.
+    monkeypatch.setenv("KUBERNETES_SERVICE_HOST", "127.0.0.1")
+    monkeypatch.setenv("KUBERNETES_SERVICE_PORT", "1")
+    with TestApiServer() as server:
+        core = k8s_client.CoreV1Api(api_client(None, server.url))
+        for _ in range(3):
+            core.list_namespaced_service("default", _request_timeout=5)
+        assert core.api_client.configuration.host == server.url

@@ -644,6 +644,10 @@ def api_client(
             SERVICE_TOKEN_FILENAME, SERVICE_CERT_FILENAME, environ=environ
         )
         loader.load_and_set(configuration)
+        if master:
+            # Its token refresh hook, run before every request, sets the host again from
+            # the loader: give it --master, or the second request goes to the ClusterIP.
+            loader.host = master
     elif not master:
         raise ValueError(
             "No API server to talk to: pass --kubeconfig or --master, set "
