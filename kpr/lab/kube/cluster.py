@@ -29,6 +29,7 @@ from kpr.lab.kube.node import Node, remove
 
 REPO = Path(__file__).resolve().parents[3]
 KPR_IMAGE = "localhost/kpr:0.1.0"
+KPR_CONTAINER = "/spec/template/spec/containers/0"
 PROXIES = ("kpr", "kube-proxy-iptables", "none")
 READY_TIMEOUT_S = 300.0
 
@@ -76,14 +77,31 @@ def overlay(directory: Path, master: str, image: str = KPR_IMAGE) -> Path:
             },
             {
                 # docs/operations.md: on a hybrid host, --cgroup is /sys/fs/cgroup/unified.
+                # ("test" makes the patch fail loudly if deploy/ moves these.)
                 "target": {"kind": "DaemonSet", "name": "kpr"},
                 "patch": yaml.safe_dump(
                     [
                         {
+                            "op": "test",
+                            "path": f"{KPR_CONTAINER}/args/4",
+                            "value": "--cgroup=/sys/fs/cgroup",
+                        },
+                        {
                             "op": "replace",
-                            "path": "/spec/template/spec/containers/0/args/3",
+                            "path": f"{KPR_CONTAINER}/args/4",
                             "value": "--cgroup=/sys/fs/cgroup/unified",
-                        }
+                        },
+                        # The DaemonSet's comment: kernels >= 5.11 never need SYS_RESOURCE, and
+                        # the lab's root has none to give (runc would refuse the container).
+                        {
+                            "op": "test",
+                            "path": f"{KPR_CONTAINER}/securityContext/capabilities/add/2",
+                            "value": "SYS_RESOURCE",
+                        },
+                        {
+                            "op": "remove",
+                            "path": f"{KPR_CONTAINER}/securityContext/capabilities/add/2",
+                        },
                     ]
                 ),
             },
@@ -241,15 +259,18 @@ class RealCluster:
 
 def up(directory: Path, nodes: int, proxy: str) -> int:
     """`python -m kpr.lab.cluster up DIR`: start, then run until SIGTERM/SIGINT or `down`."""
-    stopping = []
-    signal.signal(signal.SIGTERM, lambda *_: stopping.append(1))
+
+    def on_signal(signum: int, _frame: object) -> None:
+        raise KeyboardInterrupt  # also while starting: start() stops what it started
+
+    signal.signal(signal.SIGTERM, on_signal)
     cluster = RealCluster(directory, nodes=nodes, proxy=proxy)
     (directory.resolve()).mkdir(parents=True, exist_ok=True)
     (cluster.directory / "up.pid").write_text(f"{os.getpid()}\n")
     try:
         cluster.start()
         print(f"kpr.lab.cluster: up; KUBECONFIG={cluster.kubeconfig}", flush=True)
-        while not stopping:
+        while True:
             time.sleep(0.5)
     except KeyboardInterrupt:
         pass

@@ -34,7 +34,7 @@ from kpr.host import cgroup2_root
 from kpr.lab.kube.controlplane import CLUSTER_DOMAIN, ControlPlane, _stop_process
 from kpr.lab.netns import _delete_netns, _ip_batch, _netns_names, _remove_cgroup, _run
 
-SANDBOX_IMAGE = "registry.k8s.io/pause:3.10"
+SANDBOX_IMAGE = "registry.k8s.io/pause:3.10.1"  # what the e2e framework and kubelet 1.34 use
 CNI_BIN_DIR = "/usr/lib/cni"  # Debian's containernetworking-plugins
 CLUSTER_DNS = "10.96.0.10"
 NODE_NET = "10.250.0."
@@ -228,7 +228,9 @@ class Node:
             "mount -t tmpfs -o mode=755 tmpfs /run && mkdir -p /run/netns /run/kpr && "
             "mount -t bpf bpf /sys/fs/bpf && "
             f'mount --bind "{self.cgroup}" /sys/fs/cgroup/unified && '
-            f"{binds}echo ready && exec sleep infinity"
+            # Shared within the node only (its own peer groups; nothing reaches the machine's
+            # mounts): as systemd makes / on a node, which HostToContainer volumes require.
+            f"{binds}mount --make-rshared / && echo ready && exec sleep infinity"
         )
         log = open(self._path("logs") / "mounts.log", "ab")  # noqa: SIM115
         holder = subprocess.Popen(
