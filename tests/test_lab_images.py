@@ -240,7 +240,8 @@ def test_unchanged_images_are_reused_and_a_changed_one_rebuilt(built, tmp_path, 
     containerfile = containerfiles / "busybox" / "Containerfile"
     containerfile.write_text(containerfile.read_text() + "ENV KPR_TEST=1\n")
     (second,) = images.build_images(["busybox"]).values()
-    assert second != first and second.exists() and not first.exists()
+    assert second != first and second.exists()
+    assert first.exists()  # another clone may still build the first: kept (the last three are)
     assert images.build_images(["busybox"]) == {built.references["busybox"]: second}
     assert mounts_under(tmp_path) == []
 

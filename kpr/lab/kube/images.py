@@ -60,6 +60,7 @@ TOOLS = {
     "gcc": "gcc",
     "/usr/lib/x86_64-linux-gnu/libc.a": "libc6-dev",  # for `gcc -static`
 }
+KEEP_ARCHIVES = 3  # per image
 BUSYBOX = Path("/bin/busybox")  # busybox-static's (the busybox package's is dynamic)
 
 
@@ -100,6 +101,8 @@ def build_images(names: Iterable[str] | None = None, log=sys.stderr) -> dict[str
     unknown = sorted(set(wanted) - set(NAMES))
     if unknown:
         raise ValueError(f"unknown images {unknown}; known: {', '.join(NAMES)}")
+    if os.geteuid() != 0:
+        raise InputsMissing("building the lab's images needs root (buildah, debootstrap)")
     _require_packages(TOOLS)
     root = images_root()
     archives_dir().mkdir(parents=True, exist_ok=True)
@@ -110,11 +113,15 @@ def build_images(names: Iterable[str] | None = None, log=sys.stderr) -> dict[str
         fcntl.flock(lock, fcntl.LOCK_EX)  # one build per cache; the second reuses its archives
         with tempfile.TemporaryDirectory(dir=root, prefix=".build-") as scratch:
             builder = _Builder(root, Path(scratch), log)
-            return {
+            built = {
                 references[name]: builder.image(name, references[name])
                 for name in NAMES
                 if name in wanted
             }
+            if builder.built_any:
+                # The replaced images' layers (the cache's parents of current ones stay).
+                builder.buildah_private(["buildah", "rmi", "--prune"], check=False)
+            return built
 
 
 def import_images(ctr_address: str, archives: list[Path]) -> None:
@@ -144,6 +151,7 @@ class _Builder:
         self.scratch = scratch
         self.log = log
         self.base_ready = False
+        self.built_any = False
         storage_conf = scratch / "storage.conf"
         # Images and layers persist under the cache; the run root (mount and lock state) is
         # per build, as a tmpfs is per boot: no mount is left once a build's namespace is gone.
@@ -169,6 +177,7 @@ class _Builder:
         archive = archives_dir() / f"{name}-{key[:16]}.tar"
         if archive.exists():
             print(f"kpr.lab.kube.images: reusing {reference} ({archive})", file=self.log)
+            os.utime(archive)  # recently used: kept (see below)
             return archive
         if from_base:
             self._ensure_base()
@@ -177,12 +186,12 @@ class _Builder:
         partial.unlink(missing_ok=True)
         print(f"kpr.lab.kube.images: building {reference}", file=self.log, flush=True)
         if name == "kpr":
-            self._buildah_private(
+            self.buildah_private(
                 ["sh", str(BUILD_IMAGE), reference, str(partial), *self._bud_options()]
                 + self._pip_trust()
             )
         else:
-            self._buildah_private(
+            self.buildah_private(
                 [
                     "buildah",
                     "bud",
@@ -195,12 +204,15 @@ class _Builder:
                     str(context),
                 ]
             )
-            self._buildah_private(
+            self.buildah_private(
                 ["buildah", "push", reference, f"oci-archive:{partial}:{reference}"]
             )
-        for stale in archives_dir().glob(f"{name}-*.tar"):
-            stale.unlink()
         partial.rename(archive)
+        self.built_any = True
+        # Other clones (CI's) may build other sources: keep the ones used most recently.
+        used = sorted(archives_dir().glob(f"{name}-*.tar"), key=lambda p: p.stat().st_mtime)
+        for stale in used[:-KEEP_ARCHIVES]:
+            stale.unlink()
         elapsed = time.monotonic() - started
         print(f"kpr.lab.kube.images:   {reference} in {elapsed:.0f} s", file=self.log, flush=True)
         return archive
@@ -269,7 +281,7 @@ class _Builder:
         if self.base_ready:
             return
         stamp = self.root / "storage" / "debian-base.key"
-        present = self._buildah_private(
+        present = self.buildah_private(
             ["buildah", "inspect", "--type", "image", DEBIAN_BASE], check=False
         )
         if present and stamp.exists() and stamp.read_text() == _base_key():
@@ -280,9 +292,9 @@ class _Builder:
         rootfs = self.scratch / "rootfs"
         mirror, _ = _debian_mirrors()
         # In a mount namespace of its own too: what it mounts in the rootfs goes with it.
-        self._buildah_private(["debootstrap", "--variant=minbase", SUITE, str(rootfs), mirror])
+        self.buildah_private(["debootstrap", "--variant=minbase", SUITE, str(rootfs), mirror])
         _slim(rootfs)
-        self._buildah_private(
+        self.buildah_private(
             [
                 "sh",
                 "-euc",
@@ -301,7 +313,7 @@ class _Builder:
         elapsed = time.monotonic() - started
         print(f"kpr.lab.kube.images:   {DEBIAN_BASE} in {elapsed:.0f} s", file=self.log)
 
-    def _buildah_private(self, argv: list[str], check: bool = True) -> bool:
+    def buildah_private(self, argv: list[str], check: bool = True) -> bool:
         # A mount namespace of its own: buildah's overlay mounts (even the one its storage
         # driver makes at start) end with the command.
         argv = ["unshare", "--mount", "--propagation", "private", *argv]
