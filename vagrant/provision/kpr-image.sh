@@ -1,9 +1,9 @@
 #!/bin/sh
 # Build the kpr image from deploy/Dockerfile on this node and import it into containerd's
 # k8s.io namespace, where the kubelet finds it: there is no registry image of kpr. buildah
-# builds without a daemon; the DaemonSet (vagrant/kustomize) uses localhost/kpr:dev with
-# imagePullPolicy IfNotPresent. Idempotent (layers are cached); re-run after `vagrant rsync`
-# with `vagrant provision --provision-with kpr-image`.
+# builds without a daemon (deploy/build-image.sh); the DaemonSet (vagrant/kustomize) uses
+# localhost/kpr:dev with imagePullPolicy IfNotPresent. Idempotent (layers are cached); re-run
+# after `vagrant rsync` with `vagrant provision --provision-with kpr-image`.
 set -eu
 
 image=localhost/kpr:dev
@@ -14,9 +14,7 @@ if ! command -v buildah >/dev/null; then
 	apt-get update -q
 	apt-get install -y -q --no-install-recommends buildah
 fi
-buildah bud --layers -f /kpr/deploy/Dockerfile -t "$image" /kpr
-rm -f "$archive"
-buildah push "$image" "docker-archive:$archive:$image"
-ctr -n k8s.io images import "$archive"
+sh /kpr/deploy/build-image.sh "$image" "$archive"
+ctr -n k8s.io images import --all-platforms "$archive"
 rm -f "$archive"
 ctr -n k8s.io images ls -q | grep -F "$image"

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import hashlib
+import json
 import os
 import re
 import shutil
@@ -147,6 +148,26 @@ def cached() -> Path | None:
     """The directory of built binaries if this machine has them already, else None."""
     directory = binaries_dir(versions())
     return directory if is_built(directory) else None
+
+
+def kubernetes_source() -> Path:
+    """The k8s.io/kubernetes module source the lab builds from (downloaded into the lab's module
+    cache if the build has not put it there yet): its manifests name the e2e images."""
+    go, _ = find_go()
+    root = cache_root()
+    env = _go_env({"GOMODCACHE": str(root / "go" / "mod"), "GOCACHE": str(root / "go" / "build")})
+    module = f"k8s.io/kubernetes@{kubernetes_version()}"
+    done = subprocess.run(
+        [go, "mod", "download", "-json", module],
+        cwd=KUBERNETES_MODULE,
+        env=env,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    if done.returncode != 0:
+        raise RuntimeError(f"go mod download {module} failed: {done.stderr.strip() or done.stdout}")
+    return Path(json.loads(done.stdout)["Dir"])
 
 
 def build(log=sys.stderr) -> Path:
