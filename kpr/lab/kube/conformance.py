@@ -1,0 +1,699 @@
+"""Kubernetes' own sig-network e2e suite against the lab cluster, and its report.
+
+    python -m kpr.lab.kube.conformance run --kubeconfig K [--netns PATH] \\
+        --proxy kpr|kube-proxy-iptables --out DIR [--subset services-conformance|full]
+    python -m kpr.lab.kube.conformance list [--subset ...]     (no cluster: ginkgo's dry run)
+    python -m kpr.lab.kube.conformance report KPR.json KUBE_PROXY.json --markdown FILE
+
+`run` starts the e2e binary of the lab build (`e2e.test`, `go test -c k8s.io/kubernetes/test/e2e`)
+inside the network namespace that reaches the lab's API server and pods, with the selection of
+SUBSETS and the skips of SKIPS, and writes into DIR: e2e.log (its output), report.json
+(ginkgo's JSON report) and results.json (one row per selected test, the skips, versions,
+commands: what `report` reads). `report` merges a kpr run and a kube-proxy run into one
+Markdown table: a test that fails with kube-proxy too is a lab limit, one that fails only with
+kpr is a kpr failure.
+
+The proxy is chosen when the cluster is brought up; `--proxy` names it for the report, and the
+run records the cluster's kube-system DaemonSets so the report shows what was really there.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import shlex
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+
+from kpr.lab.kube import build
+
+PROXIES = ("kpr", "kube-proxy-iptables")
+# Every spec's text as ginkgo matches --focus/--skip against it: the suite's description
+# (RunSpecs in test/e2e/e2e.go), a space, the spec's full text (ginkgo's internal/focus.go).
+SUITE_DESCRIPTION = "Kubernetes e2e suite"
+RESULTS_FORMAT = 1
+
+
+@dataclass(frozen=True)
+class Subset:
+    focus: tuple[str, ...]  # ginkgo --focus regexes (a spec runs if any matches)
+    about: str
+    timeout: str  # --ginkgo.timeout: the whole suite's budget
+
+
+SUBSETS = {
+    # Issue 13's selection: every Service test of sig-network, and every sig-network
+    # [Conformance] test (DNS, EndpointSlice, Networking, Proxy, ... as well).
+    "full": Subset(
+        focus=(r"\[sig-network\].*Services", r"\[sig-network\].*\[Conformance\]"),
+        about="every [sig-network] test whose name has 'Services' after it, and every "
+        "[sig-network] [Conformance] test",
+        timeout="6h",
+    ),
+    # CI's: the [Conformance] tests of the sig-network Services group.
+    "services-conformance": Subset(
+        focus=(r"\[sig-network\] Services .*\[Conformance\]",),
+        about="the [sig-network] Services tests marked [Conformance]",
+        timeout="1h",
+    ),
+}
+
+
+@dataclass(frozen=True)
+class Lab:
+    """What the lab cluster has, as far as the skips care."""
+
+    ip_family: str = "ipv4"  # "ipv4" or "dual": the lab is IPv4 only unless brought up dual
+    images: frozenset[str] | None = None  # image references on the nodes; None: not asked
+
+
+@dataclass(frozen=True)
+class Skip:
+    """A test the lab cannot run, by name and reason. `pattern` is a ginkgo --skip regex on the
+    spec text; `image` (a reference's repository name) makes the skip apply only while no node
+    has that image; `ipv4_only` only while the lab is IPv4 only."""
+
+    name: str
+    pattern: str
+    reason: str
+    image: str = ""
+    ipv4_only: bool = False
+
+    def applies(self, lab: Lab, e2e_images: Sequence[str] = ()) -> bool:
+        if self.ipv4_only:
+            return lab.ip_family == "ipv4"
+        if self.image:
+            wanted = [ref for ref in e2e_images if image_name(ref) == self.image]
+            have = lab.images or frozenset()
+            return not wanted or not any(ref in have for ref in wanted)
+        return True
+
+
+# The one table of what is skipped and why: turned into --ginkgo.skip, and printed in the
+# report. [Serial] tests are kept (the run is serial anyway). [Disruptive] tests are kept: the
+# two the selection has (restart kube-proxy / the API server) skip themselves unless that
+# component runs as pods the test may delete, and the framework's reason is reported.
+# Tests that need SSH to nodes or a cloud provider skip themselves under --provider=skeleton
+# (the framework's reason is reported too), so they need no entry here.
+SKIPS = (
+    Skip(
+        "cloud load balancers",
+        r"\[Feature:LoadBalancer\]",
+        "provisions an external load balancer through a cloud provider; the lab has none",
+    ),
+    Skip(
+        "several zones",
+        r"\[sig-network\] (Topology Hints|Traffic Distribution) ",
+        "needs nodes in more than one zone behind a real topology; the lab's nodes share one",
+    ),
+    Skip(
+        "dual-stack",
+        r"\[Feature:IPv6DualStack\]|\[Feature:Networking-IPv6\]|\[Experimental\]\[LinuxOnly\]",
+        "needs IPv6 or dual-stack pods and Services; the lab cluster is IPv4 only",
+        ipv4_only=True,
+    ),
+    Skip(
+        "jessie-dnsutils image",
+        r"\[sig-network\] DNS ",
+        "its prober pods run registry.k8s.io/e2e-test-images/jessie-dnsutils, which the lab "
+        "does not build",
+        image="jessie-dnsutils",
+    ),
+)
+
+
+def image_name(reference: str) -> str:
+    """'registry.k8s.io/e2e-test-images/jessie-dnsutils:1.7' -> 'jessie-dnsutils'."""
+    return reference.rsplit("/", 1)[-1].split("@")[0].split(":")[0]
+
+
+def spec_text(full_text: str) -> str:
+    return f"{SUITE_DESCRIPTION} {full_text}"
+
+
+def selected(full_text: str, subset: str) -> bool:
+    """Whether ginkgo's --focus of `subset` picks this spec (Python's re and Go's RE2 agree on
+    these patterns)."""
+    return any(re.search(p, spec_text(full_text)) for p in SUBSETS[subset].focus)
+
+
+def skip_for(full_text: str, skips: Iterable[Skip]) -> Skip | None:
+    return next((s for s in skips if re.search(s.pattern, spec_text(full_text))), None)
+
+
+def active_skips(lab: Lab, e2e_images: Sequence[str] = ()) -> tuple[Skip, ...]:
+    return tuple(s for s in SKIPS if s.applies(lab, e2e_images))
+
+
+# -- the e2e binary ------------------------------------------------------------------------
+
+
+def e2e_binary(bin_dir: Path | None = None) -> Path:
+    directory = bin_dir or build.cached()
+    if directory is None:
+        raise FileNotFoundError("no lab build (python -m kpr.lab.kube build makes one)")
+    binary = directory / "e2e.test"
+    if not binary.exists():
+        raise FileNotFoundError(f"{binary} is missing")
+    return binary
+
+
+def e2e_version(binary: Path) -> str:
+    done = subprocess.run([binary, "--version"], capture_output=True, text=True, check=False)
+    return done.stdout.strip() or f"unknown ({done.stderr.strip()[:200]})"
+
+
+def e2e_images(binary: Path) -> list[str]:
+    """Every image reference the e2e suite can use (`e2e.test --list-images`)."""
+    done = subprocess.run([binary, "--list-images"], capture_output=True, text=True, check=True)
+    return [line.strip() for line in done.stdout.splitlines() if line.strip()]
+
+
+def e2e_args(
+    *,
+    kubeconfig: Path,
+    kubectl: Path,
+    out: Path,
+    subset: str,
+    skips: Sequence[Skip],
+    timeout: str,
+    dry_run: bool = False,
+) -> list[str]:
+    """The e2e binary's flags for a cluster with no cloud provider and no SSH to its nodes."""
+    args = [
+        f"--kubeconfig={kubeconfig}",
+        f"--kubectl-path={kubectl}",  # tests run `kubectl exec`
+        "--provider=skeleton",  # no cloud; "local" would make SSH tests try to run
+        "--disable-log-dump",  # the log dump is cluster/log-dump.sh over SSH
+        f"--report-dir={out}",
+        f"--e2e-output-dir={out}",
+        f"--ginkgo.json-report={out / 'report.json'}",
+        f"--ginkgo.timeout={timeout}",
+        "--ginkgo.no-color",
+        "--ginkgo.v",
+    ]
+    args += [f"--ginkgo.focus={p}" for p in SUBSETS[subset].focus]
+    args += [f"--ginkgo.skip={s.pattern}" for s in skips]
+    if dry_run:
+        args.append("--ginkgo.dry-run")
+    return args
+
+
+def in_netns(netns: str | None, argv: list[str]) -> list[str]:
+    """argv run in the network namespace `netns` (a path, or a name under /run/netns). nsenter
+    keeps the machine's /sys, unlike `ip netns exec`."""
+    if not netns:
+        return argv
+    path = netns if "/" in netns else f"/run/netns/{netns}"
+    return ["nsenter", f"--net={path}", "--", *argv]
+
+
+# -- ginkgo's JSON report -> rows ------------------------------------------------------------
+
+FAILED_STATES = {"failed", "panicked", "timedout", "interrupted", "aborted"}
+
+
+def first_line(text: str) -> str:
+    return next((line.strip() for line in text.splitlines() if line.strip()), "")
+
+
+def parse_report(
+    report: list[dict], subset: str, skips: Sequence[Skip]
+) -> tuple[list[dict], list[dict]]:
+    """(one row per spec the subset selects, the suite-level nodes that failed) from ginkgo's
+    JSON report (a list of types.Report; their SpecReports hold both It specs and suite nodes).
+    A row: name, state (passed/failed/skipped), ginkgo_state, seconds, message (a failure's or
+    a skip's first line), skip (the name of our SKIPS entry, or "" if not ours)."""
+    rows, suite_failures = [], []
+    for suite in report:
+        for spec in suite.get("SpecReports") or []:
+            state = spec.get("State", "")
+            failure = spec.get("Failure") or {}
+            message = first_line(failure.get("Message", "") or failure.get("ForwardedPanic", ""))
+            if spec.get("LeafNodeType") != "It":
+                if state in FAILED_STATES:
+                    suite_failures.append(
+                        {"node": spec.get("LeafNodeType"), "state": state, "message": message}
+                    )
+                continue
+            name = " ".join([*(spec.get("ContainerHierarchyTexts") or []), spec["LeafNodeText"]])
+            if not selected(name, subset):
+                continue
+            ours = skip_for(name, skips)
+            if state in FAILED_STATES:
+                row_state = "failed"
+            elif state == "passed":
+                row_state = "passed"
+            else:  # skipped, pending
+                row_state = "skipped"
+                if failure:
+                    ours = None  # the test called Skip(): the framework's reason
+                elif ours is not None:
+                    message = ours.reason
+                else:
+                    message = "not run (the suite stopped before it)"
+            rows.append(
+                {
+                    "name": name,
+                    "state": row_state,
+                    "ginkgo_state": state,
+                    "seconds": round(spec.get("RunTime", 0) / 1e9, 1),
+                    "message": message,
+                    "skip": ours.name if ours is not None and row_state == "skipped" else "",
+                }
+            )
+    rows.sort(key=lambda r: r["name"])
+    return rows, suite_failures
+
+
+# -- run ---------------------------------------------------------------------------------
+
+
+def _kubectl_json(kubectl: Path, kubeconfig: Path, netns: str | None, *args: str) -> dict:
+    argv = in_netns(netns, [str(kubectl), f"--kubeconfig={kubeconfig}", *args, "-o", "json"])
+    done = subprocess.run(argv, capture_output=True, text=True, check=False, timeout=60)
+    if done.returncode != 0:
+        return {"error": first_line(done.stderr) or f"exit {done.returncode}"}
+    return json.loads(done.stdout)
+
+
+def cluster_facts(kubectl: Path, kubeconfig: Path, netns: str | None) -> dict:
+    """What the report says about the cluster: versions, nodes, kube-system DaemonSets (the
+    proxy that was really there) and the images on the nodes (for the image skips)."""
+    version = _kubectl_json(kubectl, kubeconfig, netns, "version")
+    nodes = _kubectl_json(kubectl, kubeconfig, netns, "get", "nodes")
+    daemonsets = _kubectl_json(kubectl, kubeconfig, netns, "get", "daemonsets", "-n", "kube-system")
+    images = sorted(
+        {
+            name
+            for node in nodes.get("items", [])
+            for image in node["status"].get("images", [])
+            for name in image.get("names", [])
+        }
+    )
+    return {
+        "server": version.get("serverVersion", {}).get("gitVersion", version.get("error", "")),
+        "nodes": [
+            {
+                "name": node["metadata"]["name"],
+                "kubelet": node["status"].get("nodeInfo", {}).get("kubeletVersion", ""),
+                "runtime": node["status"].get("nodeInfo", {}).get("containerRuntimeVersion", ""),
+                "kernel": node["status"].get("nodeInfo", {}).get("kernelVersion", ""),
+            }
+            for node in nodes.get("items", [])
+        ],
+        "daemonsets": [
+            {
+                "name": ds["metadata"]["name"],
+                "images": [c["image"] for c in ds["spec"]["template"]["spec"]["containers"]],
+            }
+            for ds in daemonsets.get("items", [])
+        ],
+        "images": images,
+    }
+
+
+def kpr_revision() -> str:
+    repo = Path(__file__).resolve().parents[3]
+    done = subprocess.run(
+        ["git", "-C", str(repo), "describe", "--always", "--dirty"],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    return done.stdout.strip() or "unknown"
+
+
+def run(
+    *,
+    kubeconfig: Path,
+    netns: str | None,
+    proxy: str,
+    out: Path,
+    subset: str,
+    lab: Lab,
+    timeout: str | None = None,
+    bin_dir: Path | None = None,
+    command: Sequence[str] = (),
+) -> dict:
+    """Run the e2e suite, write out/results.json and return it."""
+    binary = e2e_binary(bin_dir)
+    kubectl = binary.with_name("kubectl")
+    out.mkdir(parents=True, exist_ok=True)
+    kubeconfig = kubeconfig.resolve()
+    facts = cluster_facts(kubectl, kubeconfig, netns)
+    images = e2e_images(binary)
+    lab = Lab(ip_family=lab.ip_family, images=frozenset(facts["images"]))
+    skips = active_skips(lab, images)
+    argv = in_netns(
+        netns,
+        [
+            str(binary),
+            *e2e_args(
+                kubeconfig=kubeconfig,
+                kubectl=kubectl,
+                out=out.resolve(),
+                subset=subset,
+                skips=skips,
+                timeout=timeout or SUBSETS[subset].timeout,
+            ),
+        ],
+    )
+    report_path = out / "report.json"
+    report_path.unlink(missing_ok=True)
+    started = datetime.now(UTC)
+    clock = time.monotonic()
+    print(f"kpr.lab.kube.conformance: {shlex.join(argv)}", file=sys.stderr, flush=True)
+    with (out / "e2e.log").open("w") as log:
+        process = subprocess.Popen(
+            argv, cwd=out, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        )
+        assert process.stdout is not None
+        for line in process.stdout:
+            log.write(line)
+            sys.stdout.write(line)
+        exit_code = process.wait()
+    report = json.loads(report_path.read_text()) if report_path.exists() else []
+    rows, suite_failures = parse_report(report, subset, skips)
+    if not report:
+        suite_failures.append(
+            {
+                "node": "e2e.test",
+                "state": "failed",
+                "message": f"no report.json (exit {exit_code}); see e2e.log",
+            }
+        )
+    results = {
+        "format": RESULTS_FORMAT,
+        "proxy": proxy,
+        "subset": subset,
+        "started": started.isoformat(timespec="seconds"),
+        "seconds": round(time.monotonic() - clock),
+        "command": list(command),
+        "e2e_command": argv,
+        "e2e_exit": exit_code,
+        "versions": {"e2e": e2e_version(binary), "server": facts["server"], "kpr": kpr_revision()},
+        "cluster": {k: facts[k] for k in ("nodes", "daemonsets")},
+        "lab": {"ip_family": lab.ip_family},
+        "focus": list(SUBSETS[subset].focus),
+        "skips": [{"name": s.name, "pattern": s.pattern, "reason": s.reason} for s in skips],
+        "suite_failures": suite_failures,
+        "tests": rows,
+    }
+    (out / "results.json").write_text(json.dumps(results, indent=1) + "\n")
+    return results
+
+
+def dry_run(subset: str, lab: Lab, bin_dir: Path | None = None) -> list[dict]:
+    """The rows ginkgo's dry run gives (no cluster needed): what `run` would select and skip."""
+    binary = e2e_binary(bin_dir)
+    images = e2e_images(binary)
+    skips = active_skips(lab, images)
+    with tempfile.TemporaryDirectory(prefix="kpr-conformance-") as tmp:
+        out = Path(tmp)
+        args = e2e_args(
+            kubeconfig=out / "none",
+            kubectl=binary.with_name("kubectl"),
+            out=out,
+            subset=subset,
+            skips=skips,
+            timeout="1h",
+            dry_run=True,
+        )
+        done = subprocess.run([binary, *args], cwd=out, capture_output=True, text=True, check=False)
+        report_path = out / "report.json"
+        if not report_path.exists():
+            raise RuntimeError(
+                f"e2e dry run wrote no report (exit {done.returncode}): "
+                f"{done.stderr[-2000:] or done.stdout[-2000:]}"
+            )
+        rows, _ = parse_report(json.loads(report_path.read_text()), subset, skips)
+    return rows
+
+
+# -- report ------------------------------------------------------------------------------
+
+VERDICTS = (  # (kpr state, kube-proxy state) -> verdict, most urgent first in the doc
+    ("kpr failure", {("failed", "passed")}),
+    ("kpr failure (no baseline)", {("failed", "skipped"), ("failed", None)}),
+    ("lab limit", {("failed", "failed")}),
+    ("not run with kpr", {("skipped", "passed"), (None, "passed")}),
+    ("fails only with kube-proxy", {("passed", "failed")}),
+    ("passed", {("passed", "passed")}),
+    ("skipped", {("skipped", "skipped")}),
+)
+
+
+def verdict(kpr: str | None, kube_proxy: str | None) -> str:
+    for name, pairs in VERDICTS:
+        if (kpr, kube_proxy) in pairs:
+            return name
+    return "other"
+
+
+def _cell(text: str, limit: int = 160) -> str:
+    text = text.replace("|", "\\|").replace("\n", " ")
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+def _state_cell(row: dict | None) -> str:
+    if row is None:
+        return "not in run"
+    if row["state"] == "passed":
+        return f"passed ({row['seconds']:.0f} s)"
+    if row["state"] == "failed":
+        detail = "" if row["ginkgo_state"] == "failed" else f" ({row['ginkgo_state']})"
+        return _cell(f"**failed**{detail}: {row['message']}")
+    who = f"lab skip: {row['skip']}" if row["skip"] else row["message"]
+    return _cell(f"skipped: {who}")
+
+
+def summary(results: dict) -> dict[str, int]:
+    tests = results["tests"]
+    return {
+        "passed": sum(r["state"] == "passed" for r in tests),
+        "failed": sum(r["state"] == "failed" for r in tests),
+        "skipped by the lab (SKIPS)": sum(
+            r["state"] == "skipped" and bool(r["skip"]) for r in tests
+        ),
+        "skipped by the test itself": sum(
+            r["state"] == "skipped" and not r["skip"] and not r["message"].startswith("not run")
+            for r in tests
+        ),
+        "not run (suite stopped)": sum(
+            r["message"].startswith("not run") and r["state"] == "skipped" for r in tests
+        ),
+        "selected": len(tests),
+    }
+
+
+def merge(kpr: dict, kube_proxy: dict) -> list[dict]:
+    """One row per test of either run: both states and the verdict."""
+    by_name = {r["name"]: r for r in kpr["tests"]}
+    baseline = {r["name"]: r for r in kube_proxy["tests"]}
+    rows = []
+    for name in sorted(by_name.keys() | baseline.keys()):
+        ours, theirs = by_name.get(name), baseline.get(name)
+        rows.append(
+            {
+                "name": name,
+                "kpr": ours,
+                "kube_proxy": theirs,
+                "verdict": verdict(ours and ours["state"], theirs and theirs["state"]),
+            }
+        )
+    return rows
+
+
+def render(kpr: dict, kube_proxy: dict, command: str) -> str:
+    runs = (("kpr", kpr), ("kube-proxy (iptables)", kube_proxy))
+    rows = merge(kpr, kube_proxy)
+    counts = {name: sum(r["verdict"] == name for r in rows) for name, _ in VERDICTS}
+    lines = [
+        "# Upstream sig-network conformance: kpr and kube-proxy",
+        "",
+        "Generated by `python -m kpr.lab.kube.conformance report` from two runs of Kubernetes'",
+        "own e2e suite (`e2e.test` of the lab build) against the lab cluster",
+        "(`python -m kpr.lab.cluster up`): one with kpr in place of kube-proxy, one with",
+        "kube-proxy in iptables mode as the baseline. A test that fails in both runs is marked",
+        "*lab limit*; one that fails only with kpr is a *kpr failure*. Do not edit by hand:",
+        "rerun the commands below.",
+        "",
+        "## Runs",
+        "",
+        "| | " + " | ".join(name for name, _ in runs) + " |",
+        "|---|---|---|",
+    ]
+
+    def line(label: str, values: Iterable[str]) -> None:
+        lines.append(f"| {label} | " + " | ".join(_cell(v, 400) for v in values) + " |")
+
+    line("proxy (--proxy)", (r["proxy"] for _, r in runs))
+    line("started (UTC)", (r["started"] for _, r in runs))
+    line("duration", (f"{r['seconds'] / 60:.0f} min" for _, r in runs))
+    line("subset", (r["subset"] for _, r in runs))
+    line("e2e.test", (r["versions"]["e2e"] for _, r in runs))
+    line("API server", (r["versions"]["server"] for _, r in runs))
+    line("kpr revision", (r["versions"]["kpr"] for _, r in runs))
+    line(
+        "nodes",
+        (
+            ", ".join(
+                f"{n['name']} ({n['kubelet']}, {n['runtime']}, {n['kernel']})"
+                for n in r["cluster"]["nodes"]
+            )
+            or "none"
+            for _, r in runs
+        ),
+    )
+    line(
+        "kube-system DaemonSets",
+        (
+            ", ".join(f"{d['name']} ({', '.join(d['images'])})" for d in r["cluster"]["daemonsets"])
+            or "none"
+            for _, r in runs
+        ),
+    )
+    line("e2e exit code", (str(r["e2e_exit"]) for _, r in runs))
+    if kpr["started"][:10] != kube_proxy["started"][:10]:
+        lines += ["", "**The two runs are not from the same day.**"]
+    if kpr["subset"] != kube_proxy["subset"]:
+        lines += ["", "**The two runs ran different subsets.**"]
+    lines += ["", "Commands:", ""]
+    for name, r in runs:
+        lines.append(f"- {name}: `{shlex.join(r['command'])}`")
+    lines += [f"- this file: `{command}`", ""]
+    lines += [
+        "The e2e command of the kpr run (the kube-proxy run's differs only in paths):",
+        "",
+        "```",
+        shlex.join(kpr["e2e_command"]),
+        "```",
+        "",
+    ]
+    lines += ["## Summary", "", "| | " + " | ".join(n for n, _ in runs) + " |", "|---|---|---|"]
+    for key in summary(kpr):
+        line(key, (str(summary(r)[key]) for _, r in runs))
+    lines += ["", "| verdict | tests |", "|---|---|"]
+    lines += [f"| {name} | {count} |" for name, count in counts.items() if count]
+    lines.append(f"| other | {sum(r['verdict'] == 'other' for r in rows)} |")
+    for name, r in runs:
+        for failure in r["suite_failures"]:
+            lines.append(
+                f"\n**{name}: suite-level {failure['node']} {failure['state']}:** "
+                f"{_cell(failure['message'], 400)}"
+            )
+    lines += [
+        "",
+        "## Skips",
+        "",
+        "Each skip the runs applied (`--ginkgo.skip`), from `SKIPS` in"
+        " kpr/lab/kube/conformance.py. Focus: " + ", ".join(f"`{p}`" for p in kpr["focus"]) + ".",
+        "",
+        "| skip | regex | reason | kpr run | kube-proxy run |",
+        "|---|---|---|---|---|",
+    ]
+    for skip in {s["name"]: s for _, r in runs for s in r["skips"]}.values():
+        used = ["yes" if skip["name"] in {s["name"] for s in r["skips"]} else "no" for _, r in runs]
+        lines.append(
+            f"| {skip['name']} | `{_cell(skip['pattern'])}` | {_cell(skip['reason'])} | "
+            f"{used[0]} | {used[1]} |"
+        )
+    lines += ["", "## Tests", "", "| test | kpr | kube-proxy | verdict |", "|---|---|---|---|"]
+    order = {name: i for i, (name, _) in enumerate(VERDICTS)}
+    for row in sorted(rows, key=lambda r: (order.get(r["verdict"], len(order)), r["name"])):
+        lines.append(
+            f"| {_cell(row['name'], 300)} | {_state_cell(row['kpr'])} | "
+            f"{_state_cell(row['kube_proxy'])} | {row['verdict']} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def load_results(path: Path) -> dict:
+    results = json.loads(path.read_text())
+    if results.get("format") != RESULTS_FORMAT:
+        raise ValueError(f"{path}: not a results.json of this runner (format {RESULTS_FORMAT})")
+    return results
+
+
+# -- command line --------------------------------------------------------------------------
+
+
+def main(argv: list[str] | None = None) -> int:
+    if argv is None:
+        argv = sys.argv[1:]
+    parser = argparse.ArgumentParser(
+        prog="python -m kpr.lab.kube.conformance",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    commands = parser.add_subparsers(dest="command", required=True)
+    run_parser = commands.add_parser("run", help="run the suite against the lab cluster")
+    run_parser.add_argument("--kubeconfig", type=Path, required=True)
+    run_parser.add_argument(
+        "--netns",
+        help="network namespace (path or /run/netns name) "
+        "that reaches the cluster; default: this one",
+    )
+    run_parser.add_argument("--proxy", choices=PROXIES, required=True)
+    run_parser.add_argument("--out", type=Path, required=True)
+    list_parser = commands.add_parser("list", help="the tests a run selects (dry run, no cluster)")
+    for sub in (run_parser, list_parser):
+        sub.add_argument("--subset", choices=SUBSETS, default="full")
+        sub.add_argument(
+            "--ip-family",
+            choices=("ipv4", "dual"),
+            default="ipv4",
+            help="the lab cluster's families (dual: keep the dual-stack tests)",
+        )
+        sub.add_argument("--bin-dir", type=Path, help="the lab build's binaries (default: cached)")
+    run_parser.add_argument("--timeout", help="--ginkgo.timeout (default: the subset's)")
+    report_parser = commands.add_parser("report", help="merge a kpr and a kube-proxy run")
+    report_parser.add_argument("kpr", type=Path, help="results.json of the kpr run")
+    report_parser.add_argument("kube_proxy", type=Path, help="results.json of the kube-proxy run")
+    report_parser.add_argument("--markdown", type=Path, required=True)
+    args = parser.parse_args(argv)
+
+    if args.command == "run":
+        results = run(
+            kubeconfig=args.kubeconfig,
+            netns=args.netns,
+            proxy=args.proxy,
+            out=args.out,
+            subset=args.subset,
+            lab=Lab(ip_family=args.ip_family),
+            timeout=args.timeout,
+            bin_dir=args.bin_dir,
+            command=["python", "-m", "kpr.lab.kube.conformance", *argv],
+        )
+        counts = summary(results)
+        print(json.dumps(counts), file=sys.stderr)
+        print(args.out / "results.json")
+        return 0 if counts["failed"] == 0 and not results["suite_failures"] else 1
+    if args.command == "list":
+        rows = dry_run(args.subset, Lab(ip_family=args.ip_family), args.bin_dir)
+        for row in rows:
+            mark = f"skip ({row['skip']})" if row["skip"] else "run"
+            print(f"{mark:<32} {row['name']}")
+        print(
+            f"{sum(not r['skip'] for r in rows)} to run, {sum(bool(r['skip']) for r in rows)} "
+            f"skipped, {len(rows)} selected",
+            file=sys.stderr,
+        )
+        return 0
+    command = shlex.join(["python", "-m", "kpr.lab.kube.conformance", *argv])
+    text = render(load_results(args.kpr), load_results(args.kube_proxy), command)
+    args.markdown.write_text(text)
+    print(args.markdown)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
