@@ -210,8 +210,15 @@ def test_the_e2e_command_needs_no_cloud_no_ssh_and_skips_by_the_table(tmp_path):
     assert "--provider=skeleton" in args and "--disable-log-dump" in args
     assert f"--ginkgo.json-report={tmp_path / 'report.json'}" in args
     assert [a.split("=", 1)[1] for a in args if a.startswith("--ginkgo.skip=")] == [
-        s.pattern for s in SKIPS
+        s.pattern for s in skips
     ]
+    assert "disruptive in a parallel run" not in {s.name for s in skips}
+    parallel = conformance.active_skips(Lab(), parallel=True)
+    assert "disruptive in a parallel run" in {s.name for s in parallel}
+    cli = conformance.ginkgo_cli_argv(Path("/b/ginkgo"), 4, Path("/b/e2e.test"), args)
+    assert cli[:2] == ["/b/ginkgo", "--procs=4"] and "--focus=" + SUBSETS["full"].focus[0] in cli
+    assert cli[cli.index("/b/e2e.test") + 1] == "--"
+    assert not [a for a in cli[cli.index("--") :] if a.startswith("--ginkgo.")]
     dual = conformance.active_skips(Lab(ip_family="dual"))
     assert "dual-stack" not in {s.name for s in dual}
     with_dns_image = Lab(images=frozenset({"registry.k8s.io/e2e-test-images/jessie-dnsutils:1.7"}))

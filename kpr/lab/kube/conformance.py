@@ -85,8 +85,11 @@ class Skip:
     reason: str
     image: str = ""
     ipv4_only: bool = False
+    parallel_only: bool = False
 
-    def applies(self, lab: Lab, e2e_images: Sequence[str] = ()) -> bool:
+    def applies(self, lab: Lab, e2e_images: Sequence[str] = (), parallel: bool = False) -> bool:
+        if self.parallel_only:
+            return parallel
         if self.ipv4_only:
             return lab.ip_family == "ipv4"
         if self.image:
@@ -97,9 +100,11 @@ class Skip:
 
 
 # The one table of what is skipped and why: turned into --ginkgo.skip, and printed in the
-# report. [Serial] tests are kept (the run is serial anyway). [Disruptive] tests are kept: the
-# two the selection has (restart kube-proxy / the API server) skip themselves unless that
-# component runs as pods the test may delete, and the framework's reason is reported.
+# report. [Serial] tests are kept: a serial run runs everything one at a time, and a parallel
+# run (the ginkgo CLI, --procs) runs them last, alone (the framework marks them ginkgo.Serial).
+# [Disruptive] tests are kept in a serial run: the two the selection has (restart kube-proxy /
+# the API server) skip themselves unless that component runs as pods the test may delete, and
+# the framework's reason is reported; a parallel run skips them (they are not ginkgo.Serial).
 # Tests that need SSH to nodes or a cloud provider skip themselves under --provider=skeleton
 # (the framework's reason is reported too), so they need no entry here.
 SKIPS = (
@@ -126,6 +131,12 @@ SKIPS = (
         "does not build",
         image="jessie-dnsutils",
     ),
+    Skip(
+        "disruptive in a parallel run",
+        r"\[Disruptive\]",
+        "restarts a component the tests running beside it need (only skipped with --procs > 1)",
+        parallel_only=True,
+    ),
 )
 
 
@@ -148,8 +159,10 @@ def skip_for(full_text: str, skips: Iterable[Skip]) -> Skip | None:
     return next((s for s in skips if re.search(s.pattern, spec_text(full_text))), None)
 
 
-def active_skips(lab: Lab, e2e_images: Sequence[str] = ()) -> tuple[Skip, ...]:
-    return tuple(s for s in SKIPS if s.applies(lab, e2e_images))
+def active_skips(
+    lab: Lab, e2e_images: Sequence[str] = (), parallel: bool = False
+) -> tuple[Skip, ...]:
+    return tuple(s for s in SKIPS if s.applies(lab, e2e_images, parallel))
 
 
 # -- the e2e binary ------------------------------------------------------------------------
@@ -204,6 +217,28 @@ def e2e_args(
     if dry_run:
         args.append("--ginkgo.dry-run")
     return args
+
+
+def ginkgo_cli_argv(ginkgo: Path, procs: int, binary: Path, args: Sequence[str]) -> list[str]:
+    """The same run through the ginkgo CLI, which alone can run specs in parallel: its flags
+    are the binary's --ginkgo.* ones without the prefix, the rest go to the binary after --."""
+    flags = ["--" + a.removeprefix("--ginkgo.") for a in args if a.startswith("--ginkgo.")]
+    rest = [a for a in args if not a.startswith("--ginkgo.")]
+    return [str(ginkgo), f"--procs={procs}", *flags, str(binary), "--", *rest]
+
+
+def suite_argv(binary: Path, args: Sequence[str], procs: int) -> list[str]:
+    """e2e.test alone runs its specs one at a time; more processes need the ginkgo CLI, which
+    the lab build puts beside it."""
+    if procs <= 1:
+        return [str(binary), *args]
+    ginkgo = binary.with_name("ginkgo")
+    if not ginkgo.exists():
+        raise FileNotFoundError(
+            f"--procs {procs} needs the ginkgo CLI at {ginkgo} (github.com/onsi/ginkgo/v2/ginkgo "
+            "of the lab build)"
+        )
+    return ginkgo_cli_argv(ginkgo, procs, binary, args)
 
 
 def in_netns(netns: str | None, argv: list[str]) -> list[str]:
@@ -341,31 +376,27 @@ def run(
     lab: Lab,
     timeout: str | None = None,
     bin_dir: Path | None = None,
+    procs: int = 1,
     command: Sequence[str] = (),
 ) -> dict:
     """Run the e2e suite, write out/results.json and return it."""
     binary = e2e_binary(bin_dir)
     kubectl = binary.with_name("kubectl")
+    out = out.resolve()
     out.mkdir(parents=True, exist_ok=True)
     kubeconfig = kubeconfig.resolve()
     facts = cluster_facts(kubectl, kubeconfig, netns)
-    images = e2e_images(binary)
     lab = Lab(ip_family=lab.ip_family, images=frozenset(facts["images"]))
-    skips = active_skips(lab, images)
-    argv = in_netns(
-        netns,
-        [
-            str(binary),
-            *e2e_args(
-                kubeconfig=kubeconfig,
-                kubectl=kubectl,
-                out=out.resolve(),
-                subset=subset,
-                skips=skips,
-                timeout=timeout or SUBSETS[subset].timeout,
-            ),
-        ],
+    skips = active_skips(lab, e2e_images(binary), parallel=procs > 1)
+    args = e2e_args(
+        kubeconfig=kubeconfig,
+        kubectl=kubectl,
+        out=out,
+        subset=subset,
+        skips=skips,
+        timeout=timeout or SUBSETS[subset].timeout,
     )
+    argv = in_netns(netns, suite_argv(binary, args, procs))
     report_path = out / "report.json"
     report_path.unlink(missing_ok=True)
     started = datetime.now(UTC)
@@ -411,11 +442,10 @@ def run(
     return results
 
 
-def dry_run(subset: str, lab: Lab, bin_dir: Path | None = None) -> list[dict]:
+def dry_run(subset: str, lab: Lab, bin_dir: Path | None = None, procs: int = 1) -> list[dict]:
     """The rows ginkgo's dry run gives (no cluster needed): what `run` would select and skip."""
     binary = e2e_binary(bin_dir)
-    images = e2e_images(binary)
-    skips = active_skips(lab, images)
+    skips = active_skips(lab, e2e_images(binary), parallel=procs > 1)
     with tempfile.TemporaryDirectory(prefix="kpr-conformance-") as tmp:
         out = Path(tmp)
         args = e2e_args(
@@ -427,7 +457,8 @@ def dry_run(subset: str, lab: Lab, bin_dir: Path | None = None) -> list[dict]:
             timeout="1h",
             dry_run=True,
         )
-        done = subprocess.run([binary, *args], cwd=out, capture_output=True, text=True, check=False)
+        argv = suite_argv(binary, args, procs)
+        done = subprocess.run(argv, cwd=out, capture_output=True, text=True, check=False)
         report_path = out / "report.json"
         if not report_path.exists():
             raise RuntimeError(
@@ -654,6 +685,9 @@ def main(argv: list[str] | None = None) -> int:
             help="the lab cluster's families (dual: keep the dual-stack tests)",
         )
         sub.add_argument("--bin-dir", type=Path, help="the lab build's binaries (default: cached)")
+        sub.add_argument(
+            "--procs", type=int, default=1, help="parallel processes (> 1: the ginkgo CLI)"
+        )
     run_parser.add_argument("--timeout", help="--ginkgo.timeout (default: the subset's)")
     report_parser = commands.add_parser("report", help="merge a kpr and a kube-proxy run")
     report_parser.add_argument("kpr", type=Path, help="results.json of the kpr run")
@@ -671,6 +705,7 @@ def main(argv: list[str] | None = None) -> int:
             lab=Lab(ip_family=args.ip_family),
             timeout=args.timeout,
             bin_dir=args.bin_dir,
+            procs=args.procs,
             command=["python", "-m", "kpr.lab.kube.conformance", *argv],
         )
         counts = summary(results)
@@ -678,7 +713,7 @@ def main(argv: list[str] | None = None) -> int:
         print(args.out / "results.json")
         return 0 if counts["failed"] == 0 and not results["suite_failures"] else 1
     if args.command == "list":
-        rows = dry_run(args.subset, Lab(ip_family=args.ip_family), args.bin_dir)
+        rows = dry_run(args.subset, Lab(ip_family=args.ip_family), args.bin_dir, args.procs)
         for row in rows:
             mark = f"skip ({row['skip']})" if row["skip"] else "run"
             print(f"{mark:<32} {row['name']}")
