@@ -210,6 +210,7 @@ def test_the_e2e_command_needs_no_cloud_no_ssh_and_skips_by_the_table(tmp_path):
     cli = conformance.ginkgo_cli_argv(Path("/b/ginkgo"), 4, Path("/b/e2e.test"), args)
     assert cli[:2] == ["/b/ginkgo", "--procs=4"] and "--focus=" + SUBSETS["full"].focus[0] in cli
     assert cli[cli.index("/b/e2e.test") + 1] == "--"
+    assert f"--output-dir={tmp_path}" in cli and "--json-report=report.json" in cli
     assert not [a for a in cli[cli.index("--") :] if a.startswith("--ginkgo.")]
     dual = conformance.active_skips(Lab(ip_family="dual"))
     assert "dual-stack" not in {s.name for s in dual}
@@ -258,7 +259,14 @@ def _ginkgo_dry_run(e2e: Path, subset: str, tmp_path: Path) -> list[dict]:
         timeout="1h",
         dry_run=True,
     )
-    subprocess.run([e2e, *args], cwd=tmp_path, capture_output=True, check=False, timeout=300)
+    subprocess.run(
+        [e2e, *args],
+        cwd=tmp_path,
+        env=conformance.suite_env(tmp_path),
+        capture_output=True,
+        check=False,
+        timeout=300,
+    )
     return json.loads((tmp_path / "report.json").read_text())
 
 
@@ -350,6 +358,7 @@ def test_a_real_report_of_a_suite_that_cannot_reach_its_cluster_says_so(e2e, tmp
     subprocess.run(
         [e2e, *args, "--node-schedulable-timeout=5s"],
         cwd=tmp_path,
+        env=conformance.suite_env(tmp_path),
         capture_output=True,
         timeout=300,
     )

@@ -1,7 +1,9 @@
 """Kubernetes' own sig-network e2e suite against the lab cluster, and its report.
 
     python -m kpr.lab.kube.conformance run --kubeconfig K [--netns PATH] \\
-        --proxy kpr|kube-proxy-iptables --out DIR [--subset services-conformance|full]
+        --proxy kpr|kube-proxy-iptables --out DIR [--subset services-conformance|full] \\
+        [--ip-family ipv4|dual] [--procs N] [--timeout 1h]
+    python -m kpr.lab.kube.conformance run --cluster CLUSTER_DIR --proxy ... --out DIR
     python -m kpr.lab.kube.conformance list [--subset ...]     (no cluster: ginkgo's dry run)
     python -m kpr.lab.kube.conformance report KPR.json KUBE_PROXY.json --markdown FILE
 
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import shlex
 import subprocess
@@ -214,8 +217,16 @@ def e2e_args(
 
 def ginkgo_cli_argv(ginkgo: Path, procs: int, binary: Path, args: Sequence[str]) -> list[str]:
     """The same run through the ginkgo CLI, which alone can run specs in parallel: its flags
-    are the binary's --ginkgo.* ones without the prefix, the rest go to the binary after --."""
-    flags = ["--" + a.removeprefix("--ginkgo.") for a in args if a.startswith("--ginkgo.")]
+    are the binary's --ginkgo.* ones without the prefix, the rest go to the binary after --.
+    The CLI writes its merged JSON report as --json-report under --output-dir (without one, it
+    would write it beside the binary)."""
+    flags = []
+    for arg in args:
+        if arg.startswith("--ginkgo.json-report="):
+            report = Path(arg.split("=", 1)[1])
+            flags += [f"--output-dir={report.parent}", f"--json-report={report.name}"]
+        elif arg.startswith("--ginkgo."):
+            flags.append("--" + arg.removeprefix("--ginkgo."))
     rest = [a for a in args if not a.startswith("--ginkgo.")]
     return [str(ginkgo), f"--procs={procs}", *flags, str(binary), "--", *rest]
 
@@ -232,6 +243,12 @@ def suite_argv(binary: Path, args: Sequence[str], procs: int) -> list[str]:
             "of the lab build)"
         )
     return ginkgo_cli_argv(ginkgo, procs, binary, args)
+
+
+def suite_env(tmp: Path) -> dict[str, str]:
+    """The suite's environment: its temporary files under `tmp` (building its spec tree leaves
+    a test-kuberc* directory in TMPDIR each time, test/e2e/kubectl/kuberc.go)."""
+    return {**os.environ, "TMPDIR": str(tmp)}
 
 
 def in_netns(netns: str | None, argv: list[str]) -> list[str]:
@@ -405,9 +422,14 @@ def run(
     started = datetime.now(UTC)
     clock = time.monotonic()
     print(f"kpr.lab.kube.conformance: {shlex.join(argv)}", file=sys.stderr, flush=True)
-    with (out / "e2e.log").open("w") as log:
+    with (out / "e2e.log").open("w") as log, tempfile.TemporaryDirectory(dir=out) as tmp:
         process = subprocess.Popen(
-            argv, cwd=out, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+            argv,
+            cwd=out,
+            env=suite_env(Path(tmp)),
+            text=True,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
         )
         assert process.stdout is not None
         for line in process.stdout:
@@ -446,7 +468,8 @@ def run(
 
 
 def dry_run(subset: str, lab: Lab, bin_dir: Path | None = None, procs: int = 1) -> list[dict]:
-    """The rows ginkgo's dry run gives (no cluster needed): what `run` would select and skip."""
+    """The rows ginkgo's dry run gives (no cluster needed): what `run` would select and skip
+    (with `procs` processes; the dry run itself is serial, ginkgo does not dry-run parallel)."""
     binary = e2e_binary(bin_dir)
     skips = active_skips(lab, e2e_images(binary), parallel=procs > 1)
     with tempfile.TemporaryDirectory(prefix="kpr-conformance-") as tmp:
@@ -460,8 +483,14 @@ def dry_run(subset: str, lab: Lab, bin_dir: Path | None = None, procs: int = 1) 
             timeout="1h",
             dry_run=True,
         )
-        argv = suite_argv(binary, args, procs)
-        done = subprocess.run(argv, cwd=out, capture_output=True, text=True, check=False)
+        done = subprocess.run(
+            [binary, *args],
+            cwd=out,
+            env=suite_env(out),
+            capture_output=True,
+            text=True,
+            check=False,
+        )
         report_path = out / "report.json"
         if not report_path.exists():
             raise RuntimeError(
@@ -665,11 +694,18 @@ def main(argv: list[str] | None = None) -> int:
     )
     commands = parser.add_subparsers(dest="command", required=True)
     run_parser = commands.add_parser("run", help="run the suite against the lab cluster")
-    run_parser.add_argument("--kubeconfig", type=Path, required=True)
+    run_parser.add_argument("--kubeconfig", type=Path, help="one that works inside --netns")
     run_parser.add_argument(
         "--netns",
-        help="network namespace (path or /run/netns name) "
-        "that reaches the cluster; default: this one",
+        help="network namespace (a path, or a name under "
+        "/run/netns) that reaches the API server, nodes and pods",
+    )
+    run_parser.add_argument(
+        "--cluster",
+        type=Path,
+        help="a `python -m kpr.lab.cluster up` "
+        "directory: --kubeconfig DIR/kubeconfig.in-netns, --netns from "
+        "DIR/netns",
     )
     run_parser.add_argument("--proxy", choices=PROXIES, required=True)
     run_parser.add_argument("--out", type=Path, required=True)
@@ -694,6 +730,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     if args.command == "run":
+        if args.cluster:
+            args.kubeconfig = args.kubeconfig or args.cluster / "kubeconfig.in-netns"
+            args.netns = args.netns or (args.cluster / "netns").read_text().strip()
+        if args.kubeconfig is None:
+            parser.error("run needs --kubeconfig or --cluster")
         results = run(
             kubeconfig=args.kubeconfig,
             netns=args.netns,
