@@ -394,3 +394,45 @@ def test_a_real_dry_run_report_merges_into_lab_limits_and_kpr_failures(e2e, tmp_
     verdicts = {r["name"].removeprefix("[sig-network] Services "): r["verdict"] for r in rows}
     assert verdicts.pop(both) == "lab limit" and verdicts.pop(only_kpr) == "kpr failure"
     assert set(verdicts.values()) == {"passed"}
+
+
+# tests/golden/e2e-report-services.json: ginkgo's JSON report of a real e2e.test run (trimmed to
+# five specs, stack traces and output dropped) against the lab control plane with two Nodes and
+# no kubelet, focused on three Services [Conformance] tests with --ginkgo.timeout=3m: the
+# API-only test passed, the one that needs a running pod was still waiting when the suite's
+# timeout hit, the third never started.
+REAL_REPORT = Path(__file__).parent / "golden" / "e2e-report-services.json"
+
+
+def test_a_real_report_with_a_pass_a_suite_timeout_and_a_test_never_reached():
+    report = json.loads(REAL_REPORT.read_text())
+    rows, suite_failures = conformance.parse_report(report, "services-conformance", SKIPS)
+    by_test = {r["name"].removeprefix("[sig-network] Services "): r for r in rows}
+    assert set(by_test) == {  # the two specs outside the subset are left out
+        "should find a service from listing all namespaces [Conformance]",
+        "should serve a basic endpoint from pods [Conformance]",
+        "should delete a collection of services [Conformance]",
+    }
+    assert by_test["should find a service from listing all namespaces [Conformance]"]["state"] == (
+        "passed"
+    )
+    basic = by_test["should serve a basic endpoint from pods [Conformance]"]
+    assert (basic["state"], basic["ginkgo_state"]) == ("failed", "timedout")
+    assert basic["message"] == "A suite timeout occurred" and basic["seconds"] > 100
+    never = by_test["should delete a collection of services [Conformance]"]
+    assert never["state"] == "skipped" and never["message"] == conformance.NOT_RUN
+    assert suite_failures == []
+
+    baseline = copy.deepcopy(report)
+    for spec in baseline[0]["SpecReports"]:
+        if spec["State"] == "timedout":
+            spec["State"] = "passed"
+            del spec["Failure"]
+    kpr = _results("kpr", report, "services-conformance")
+    verdicts = {
+        r["name"].removeprefix("[sig-network] Services "): r["verdict"]
+        for r in conformance.merge(kpr, _results("kube-proxy", baseline, "services-conformance"))
+    }
+    assert verdicts["should serve a basic endpoint from pods [Conformance]"] == "kpr failure"
+    same = conformance.merge(kpr, _results("kube-proxy", report, "services-conformance"))
+    assert {r["verdict"] for r in same if "basic endpoint" in r["name"]} == {"lab limit"}

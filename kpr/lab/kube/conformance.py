@@ -526,6 +526,11 @@ def _cell(text: str, limit: int = 160) -> str:
     return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
+def _node(node: dict) -> str:
+    details = ", ".join(filter(None, (node["kubelet"], node["runtime"], node["kernel"])))
+    return f"{node['name']} ({details})" if details else node["name"]
+
+
 def _state_cell(row: dict | None) -> str:
     if row is None:
         return "not in run"
@@ -602,14 +607,7 @@ def render(kpr: dict, kube_proxy: dict, command: str) -> str:
     line("kpr revision", (r["versions"]["kpr"] for _, r in runs))
     line(
         "nodes",
-        (
-            ", ".join(
-                f"{n['name']} ({n['kubelet']}, {n['runtime']}, {n['kernel']})"
-                for n in r["cluster"]["nodes"]
-            )
-            or "none"
-            for _, r in runs
-        ),
+        (", ".join(_node(n) for n in r["cluster"]["nodes"]) or "none" for _, r in runs),
     )
     line(
         "kube-system DaemonSets",
@@ -628,20 +626,16 @@ def render(kpr: dict, kube_proxy: dict, command: str) -> str:
     for name, r in runs:
         lines.append(f"- {name}: `{shlex.join(r['command'])}`")
     lines += [f"- this file: `{command}`", ""]
-    lines += [
-        "The e2e command of the kpr run (the kube-proxy run's differs only in paths):",
-        "",
-        "```",
-        shlex.join(kpr["e2e_command"]),
-        "```",
-        "",
-    ]
+    for name, r in runs:
+        lines += [f"The e2e command of the {name} run:", "", "```", shlex.join(r["e2e_command"]),
+                  "```", ""]  # fmt: skip
     lines += ["## Summary", "", "| | " + " | ".join(n for n, _ in runs) + " |", "|---|---|---|"]
     for key in summary(kpr):
         line(key, (str(summary(r)[key]) for _, r in runs))
     lines += ["", "| verdict | tests |", "|---|---|"]
     lines += [f"| {name} | {count} |" for name, count in counts.items() if count]
-    lines.append(f"| other | {sum(r['verdict'] == 'other' for r in rows)} |")
+    if other := sum(r["verdict"] == "other" for r in rows):
+        lines.append(f"| other | {other} |")
     for name, r in runs:
         for failure in r["suite_failures"]:
             lines.append(
@@ -652,14 +646,20 @@ def render(kpr: dict, kube_proxy: dict, command: str) -> str:
         "",
         "## Skips",
         "",
-        "Each skip the runs applied (`--ginkgo.skip`), from `SKIPS` in"
-        " kpr/lab/kube/conformance.py. Focus: " + ", ".join(f"`{p}`" for p in kpr["focus"]) + ".",
+        "The skips the runs passed to ginkgo (`--ginkgo.skip`), from `SKIPS` in"
+        " kpr/lab/kube/conformance.py, and how many selected tests each skipped. Selection"
+        " (`--ginkgo.focus`): " + ", ".join(f"`{p}`" for p in kpr["focus"]) + ".",
         "",
         "| skip | regex | reason | kpr run | kube-proxy run |",
         "|---|---|---|---|---|",
     ]
     for skip in {s["name"]: s for _, r in runs for s in r["skips"]}.values():
-        used = ["yes" if skip["name"] in {s["name"] for s in r["skips"]} else "no" for _, r in runs]
+        used = [
+            str(sum(t["skip"] == skip["name"] for t in r["tests"]))
+            if skip["name"] in {s["name"] for s in r["skips"]}
+            else "not applied"
+            for _, r in runs
+        ]
         lines.append(
             f"| {skip['name']} | `{_cell(skip['pattern'])}` | {_cell(skip['reason'])} | "
             f"{used[0]} | {used[1]} |"
