@@ -125,6 +125,25 @@ def test_failing_with_both_proxies_is_a_lab_limit_failing_only_with_kpr_a_kpr_fa
 DUAL = "[sig-network] [Feature:IPv6DualStack] Granular Checks: Services Secondary IP Family"
 
 
+@pytest.mark.parametrize(
+    ("kpr", "kube_proxy", "expected"),
+    [
+        ("failed", "passed", "kpr failure"),
+        ("failed", "failed", "lab limit"),
+        ("failed", "skipped", "kpr failure (no baseline)"),
+        ("failed", None, "kpr failure (no baseline)"),
+        ("passed", "failed", "fails only with kube-proxy"),
+        ("passed", None, "passed (no baseline)"),
+        ("skipped", "passed", "not run with kpr"),
+        (None, "failed", "not run with kpr"),
+        ("skipped", None, "skipped"),
+    ],
+)
+def test_every_pair_of_states_has_a_verdict(kpr, kube_proxy, expected):
+    assert conformance.verdict(kpr, kube_proxy) == expected
+    assert expected in conformance.VERDICTS
+
+
 def test_rows_say_whose_skip_it_was_and_leave_out_what_the_subset_does_not_select():
     restart = "should work after restarting apiserver [Disruptive]"
     report = _report(
