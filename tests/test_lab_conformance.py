@@ -233,14 +233,6 @@ def test_the_e2e_command_needs_no_cloud_no_ssh_and_skips_by_the_table(tmp_path):
     assert not [a for a in cli[cli.index("--") :] if a.startswith("--ginkgo.")]
     dual = conformance.active_skips(Lab(ip_family="dual"))
     assert "dual-stack" not in {s.name for s in dual}
-    with_dns_image = Lab(images=frozenset({"registry.k8s.io/e2e-test-images/jessie-dnsutils:1.7"}))
-    names = {
-        s.name
-        for s in conformance.active_skips(
-            with_dns_image, ["registry.k8s.io/e2e-test-images/jessie-dnsutils:1.7"]
-        )
-    }
-    assert "jessie-dnsutils image" not in names
     assert conformance.in_netns("lab-cp", ["e2e.test"]) == [
         "nsenter",
         "--net=/run/netns/lab-cp",
@@ -455,3 +447,37 @@ def test_a_real_report_with_a_pass_a_suite_timeout_and_a_test_never_reached():
     assert verdicts["should serve a basic endpoint from pods [Conformance]"] == "kpr failure"
     same = conformance.merge(kpr, _results("kube-proxy", report, "services-conformance"))
     assert {r["verdict"] for r in same if "basic endpoint" in r["name"]} == {"lab limit"}
+
+
+def test_an_image_skip_goes_away_once_a_node_has_the_image(tmp_path):
+    # kubectl as the runner calls it, answering with the API's Node and DaemonSet shapes
+    nodes = {"items": [{
+        "metadata": {"name": "node-1"},
+        "status": {
+            "nodeInfo": {"kubeletVersion": "v1.34.4", "containerRuntimeVersion": "containerd://2",
+                         "kernelVersion": "6.18"},
+            "images": [{"names": ["registry.k8s.io/e2e-test-images/jessie-dnsutils:1.7",
+                                  "registry.k8s.io/e2e-test-images/jessie-dnsutils@sha256:ab"]}],
+        },
+    }]}  # fmt: skip
+    daemonsets = {"items": [{"metadata": {"name": "kpr"}, "spec": {"template": {"spec": {
+        "containers": [{"image": "localhost/kpr:0.1.0"}]}}}}]}  # fmt: skip
+    version = {"serverVersion": {"gitVersion": "v1.34.4"}}
+    kubectl = tmp_path / "kubectl"
+    kubectl.write_text(
+        '#!/bin/sh\ncase "$*" in\n'
+        f"  *version*) echo '{json.dumps(version)}';;\n"
+        f"  *nodes*) echo '{json.dumps(nodes)}';;\n"
+        f"  *daemonsets*) echo '{json.dumps(daemonsets)}';;\nesac\n"
+    )
+    kubectl.chmod(0o755)
+    facts = conformance.cluster_facts(kubectl, tmp_path / "kubeconfig", None)
+    assert facts["server"] == "v1.34.4"
+    assert facts["daemonsets"] == [{"name": "kpr", "images": ["localhost/kpr:0.1.0"]}]
+    assert facts["nodes"][0]["kubelet"] == "v1.34.4"
+    e2e_images = ["registry.k8s.io/e2e-test-images/jessie-dnsutils:1.7"]
+    without = {s.name for s in conformance.active_skips(Lab(images=frozenset()), e2e_images)}
+    with_it = {
+        s.name for s in conformance.active_skips(Lab(images=frozenset(facts["images"])), e2e_images)
+    }
+    assert without - with_it == {"jessie-dnsutils image"}

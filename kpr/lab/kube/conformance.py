@@ -707,23 +707,19 @@ def main(argv: list[str] | None = None) -> int:
     )
     commands = parser.add_subparsers(dest="command", required=True)
     run_parser = commands.add_parser("run", help="run the suite against the lab cluster")
-    run_parser.add_argument("--kubeconfig", type=Path, help="one that works inside --netns")
-    run_parser.add_argument(
-        "--netns",
-        help="network namespace (a path, or a name under "
-        "/run/netns) that reaches the API server, nodes and pods",
-    )
-    run_parser.add_argument(
-        "--cluster",
-        type=Path,
-        help="a `python -m kpr.lab.cluster up` "
-        "directory: --kubeconfig DIR/kubeconfig.in-netns, --netns from "
-        "DIR/netns",
-    )
     run_parser.add_argument("--proxy", choices=PROXIES, required=True)
     run_parser.add_argument("--out", type=Path, required=True)
-    list_parser = commands.add_parser("list", help="the tests a run selects (dry run, no cluster)")
+    list_parser = commands.add_parser(
+        "list", help="the tests a run selects and skips (ginkgo's dry run; the cluster, if "
+        "given, is asked only which images its nodes have)"
+    )  # fmt: skip
     for sub in (run_parser, list_parser):
+        sub.add_argument("--kubeconfig", type=Path, help="one that works inside --netns")
+        sub.add_argument("--netns", help="network namespace (a path, or a name under "
+                         "/run/netns) that reaches the API server, nodes and pods")  # fmt: skip
+        sub.add_argument("--cluster", type=Path, help="a `python -m kpr.lab.cluster up` "
+                         "directory: --kubeconfig DIR/kubeconfig.in-netns, --netns from "
+                         "DIR/netns")  # fmt: skip
         sub.add_argument("--subset", choices=SUBSETS, default="full")
         sub.add_argument(
             "--ip-family",
@@ -742,10 +738,10 @@ def main(argv: list[str] | None = None) -> int:
     report_parser.add_argument("--markdown", type=Path, required=True)
     args = parser.parse_args(argv)
 
+    if args.command in ("run", "list") and args.cluster:
+        args.kubeconfig = args.kubeconfig or args.cluster / "kubeconfig.in-netns"
+        args.netns = args.netns or (args.cluster / "netns").read_text().strip()
     if args.command == "run":
-        if args.cluster:
-            args.kubeconfig = args.kubeconfig or args.cluster / "kubeconfig.in-netns"
-            args.netns = args.netns or (args.cluster / "netns").read_text().strip()
         if args.kubeconfig is None:
             parser.error("run needs --kubeconfig or --cluster")
         results = run(
@@ -765,7 +761,12 @@ def main(argv: list[str] | None = None) -> int:
         print(args.out / "results.json")
         return 0 if counts["failed"] == 0 and not results["suite_failures"] else 1
     if args.command == "list":
-        rows = dry_run(args.subset, Lab(ip_family=args.ip_family), args.bin_dir, args.procs)
+        lab = Lab(ip_family=args.ip_family)
+        if args.kubeconfig:
+            kubectl = e2e_binary(args.bin_dir).with_name("kubectl")
+            facts = cluster_facts(kubectl, args.kubeconfig.resolve(), args.netns)
+            lab = Lab(ip_family=args.ip_family, images=frozenset(facts["images"]))
+        rows = dry_run(args.subset, lab, args.bin_dir, args.procs)
         for row in rows:
             mark = f"skip ({row['skip']})" if row["skip"] else "run"
             print(f"{mark:<32} {row['name']}")
