@@ -481,3 +481,25 @@ def test_an_image_skip_goes_away_once_a_node_has_the_image(tmp_path):
         s.name for s in conformance.active_skips(Lab(images=frozenset(facts["images"])), e2e_images)
     }
     assert without - with_it == {"jessie-dnsutils image"}
+
+
+def test_run_refuses_a_proxy_the_cluster_does_not_run(tmp_path):
+    (tmp_path / "cluster.json").write_text(json.dumps({"proxy": "kube-proxy-iptables"}))
+    (tmp_path / "netns").write_text("/run/netns/none\n")
+    out = subprocess.run(
+        [
+            *CONFORMANCE,
+            "run",
+            "--cluster",
+            str(tmp_path),
+            "--proxy",
+            "kpr",
+            "--out",
+            str(tmp_path / "out"),
+        ],
+        capture_output=True,
+        text=True,
+    )
+    assert out.returncode == 2
+    assert f"--proxy kpr, but {tmp_path} runs kube-proxy-iptables" in out.stderr
+    assert not (tmp_path / "out").exists()

@@ -707,7 +707,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     commands = parser.add_subparsers(dest="command", required=True)
     run_parser = commands.add_parser("run", help="run the suite against the lab cluster")
-    run_parser.add_argument("--proxy", choices=PROXIES, required=True)
+    run_parser.add_argument(
+        "--proxy", choices=PROXIES, help="the cluster's proxy (default with --cluster: the one "
+        "DIR/cluster.json records; it must agree)"
+    )  # fmt: skip
     run_parser.add_argument("--out", type=Path, required=True)
     list_parser = commands.add_parser(
         "list", help="the tests a run selects and skips (ginkgo's dry run; the cluster, if "
@@ -744,6 +747,15 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "run":
         if args.kubeconfig is None:
             parser.error("run needs --kubeconfig or --cluster")
+        if args.cluster and (args.cluster / "cluster.json").exists():
+            recorded = json.loads((args.cluster / "cluster.json").read_text()).get("proxy")
+            if args.proxy and recorded != args.proxy:
+                parser.error(f"--proxy {args.proxy}, but {args.cluster} runs {recorded}")
+            args.proxy = args.proxy or recorded
+        if args.proxy not in PROXIES:
+            parser.error(
+                f"--proxy must be one of {', '.join(PROXIES)} (the cluster's: {args.proxy})"
+            )
         results = run(
             kubeconfig=args.kubeconfig,
             netns=args.netns,
