@@ -165,9 +165,13 @@ class Agent:
         self.state.node_port_addresses = [str(a) for a in cfg.node.node_port_addresses]
         self.state.node = node_record(cfg.node)
         self.state.kubeconfig = cfg.kubeconfig
-        self.state.conflicts = conflicts.kube_proxy_rules() + conflicts.foreign_programs(cgroup)
+        rules = conflicts.check_kube_proxy_rules()
+        self.state.conflicts = rules.found + conflicts.foreign_programs(cgroup)
         for conflict in self.state.conflicts:
             log.warning("conflict: %s", conflict)
+        self.state.conflicts_not_checked = rules.not_run
+        for why in rules.not_run:
+            log.warning("conflict check for kube-proxy's rules could not run: %s", why)
         self.state.save()
         log.info(
             "programs pinned in %s, to be attached to cgroup %s after the first sync; the "

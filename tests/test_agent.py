@@ -191,6 +191,26 @@ def test_status_reads_the_pinned_maps_with_the_agent_stopped(lab, agent):
     assert "NEARLY FULL" not in text  # one small Service: no map is near its capacity
 
 
+def test_a_conflict_check_that_cannot_run_is_said_in_the_log_and_by_status(lab, agent, monkeypatch):
+    """Without iptables-save and nft (the image had neither) kube-proxy's rules cannot be
+    looked for: the agent says so, naming each tool, and `kpr status` shows it."""
+    from tests.test_conflicts import IPTABLES_AND_NFT, path_without
+
+    monkeypatch.setenv("PATH", path_without(agent.log.parent, *IPTABLES_AND_NFT))
+    echo(lab, agent.log.parent / "manifests")
+    agent.start()
+    agent.wait_synced()
+    log = agent.log.read_text()
+    for tool in IPTABLES_AND_NFT:
+        assert f"conflict check for kube-proxy's rules could not run: {tool}: not found" in log
+    monkeypatch.undo()
+    assert len(status_json(agent.pin_dir)["agent"]["conflicts_not_checked"]) == 5
+    text = subprocess.run(
+        [*KPR, "status", "--bpffs", str(agent.pin_dir)], capture_output=True, text=True
+    ).stdout
+    assert "conflict check NOT RUN" in text and "  nft: not found in PATH" in text, text
+
+
 def test_status_reports_drift_made_behind_the_agents_back(lab, agent):
     echo(lab, agent.log.parent / "manifests")
     agent.start()

@@ -575,8 +575,6 @@ NOT_IN_IMAGE = {
     "linux-headers-amd64": "headers come from the host's /lib/modules and /usr/src",
     "gcc": "only for building on a development host",
     "make": "only for building on a development host",
-    "iptables": "kpr writes no rules; on the host, for removing kube-proxy's",
-    "nftables": "kpr writes no rules; on the host, for removing kube-proxy's",
 }
 
 
