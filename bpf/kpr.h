@@ -247,6 +247,13 @@ struct kpr_node_port_key {
 	__u8 pad;
 };
 
+/* Written by the agent at start; index 0 of a one-entry array. */
+struct kpr_config {
+	/* the node's network namespace (the agent's): the only one whose binds to a
+	 * NodePort number are refused. 0: not known, refused in every namespace */
+	__u64 node_netns_cookie;
+};
+
 #define KPR_PIN(name) KPR_PIN_DIR "/v1_" name
 
 BPF_TABLE_PINNED("hash", struct kpr_service4_key, struct kpr_service, kpr_services4,
@@ -287,5 +294,6 @@ BPF_TABLE_PINNED("lpm_trie", struct kpr_source_range_key, __u8, kpr_source_range
 		 KPR_SOURCE_RANGE_MAX, KPR_PIN("source_ranges"), BPF_F_NO_PREALLOC);
 BPF_TABLE_PINNED("hash", struct kpr_node_port_key, __u8, kpr_node_ports, 65536,
 		 KPR_PIN("node_ports"), BPF_F_NO_PREALLOC);
+BPF_TABLE_PINNED("array", __u32, struct kpr_config, kpr_config, 1, KPR_PIN("config"));
 
 #endif /* KPR_H */

@@ -159,6 +159,7 @@ class Agent:
         # the address a remote backend sees for masqueraded flows, before any TC program runs
         tc.write_devices(cfg.pin_dir, {d.index: (d.first(4), d.first(6)) for d in cfg.devices})
         self.maps = BpfMaps(cfg.pin_dir)
+        self._write_node_netns()
         self.programmed = self.maps.read()
         self.state = runstate.RunState(str(cfg.pin_dir), str(cgroup), self.source.description)
         self.state.devices = {d.name: [str(a) for a in d.addresses] for d in cfg.devices}
@@ -181,6 +182,18 @@ class Agent:
             len(self.programmed.services),
             len(self.programmed.backends),
         )
+
+    def _write_node_netns(self) -> None:
+        """bind() to a NodePort number is refused in the node's network namespace only,
+        where kube-proxy holds the ports: this one. A pod's is its own."""
+        assert self.maps is not None
+        cookie = host.netns_cookie()
+        if cookie is None:
+            log.warning(
+                "this kernel cannot tell kpr its network namespace (SO_NETNS_COOKIE, Linux "
+                "5.14): bind() to a NodePort number is refused in every network namespace"
+            )
+        self.maps.write_node_netns(cookie or 0)
 
     def _attach(self) -> None:
         """Attach the new programs once the maps hold the first sync. Until then the

@@ -385,6 +385,16 @@ def test_bad_devices_and_cidrs_are_refused_naming_the_flag(
     assert "Traceback" not in out.stderr
 
 
+BIND = "import socket,sys; s=socket.socket(); s.bind(('0.0.0.0', int(sys.argv[1])))"
+
+
+def bind_in_pod(lab: Lab, port: int) -> subprocess.CompletedProcess:
+    """bind() to `port` in a pod's network namespace, from the lab's cgroup (kpr's hooks)."""
+    argv = ["nsenter", f"--net=/run/netns/{lab.pods[0].netns}", sys.executable, "-c", BIND]
+    options = lab._client_options({"capture_output": True, "text": True})
+    return subprocess.run([*argv, str(port)], timeout=30, **options)
+
+
 def test_node_ports_answer_on_localhost_and_local_binds_cannot_shadow_them(lab, agent):
     source = agent.log.parent / "manifests"
     svc = kube.service("np", [VIP4], [], type="NodePort")
@@ -394,20 +404,25 @@ def test_node_ports_answer_on_localhost_and_local_binds_cannot_shadow_them(lab, 
     kube.write(
         source, "np.yaml", svc, kube.endpoint_slice("np", [str(lab.pods[1].ipv4)], POD_PORTS)
     )
+    # the agent in the node's network namespace, as the DaemonSet's (hostNetwork) runs
+    agent.args = ["nsenter", f"--net=/run/netns/{lab.node_netns}", *agent.args]
     agent.start()
     agent.wait_synced()
     # localhostNodePorts (kube-proxy's default): processes on the node reach 127.0.0.1:nodePort
     argv = [sys.executable, "-m", "kpr.lab.probe", "tcp", "127.0.0.1", "30080", "--count", "5"]
     results = json.loads(lab.run_client(argv).stdout)["results"]
     assert {r.get("pod") for r in results} == {lab.pods[1].name}, results
-    bind = "import socket,sys; s=socket.socket(); s.bind(('0.0.0.0', int(sys.argv[1])))"
-    taken = lab.run_client([sys.executable, "-c", bind, "30080"])
+    taken = lab.run_client([sys.executable, "-c", BIND, "30080"])
     assert taken.returncode != 0 and "Address already in use" in taken.stderr
-    assert lab.run_client([sys.executable, "-c", bind, "30081"]).returncode == 0
+    assert lab.run_client([sys.executable, "-c", BIND, "30081"]).returncode == 0
+    # a pod (another network namespace, same cgroup hooks) may use the number: a pod's
+    # port 30080 takes nothing from the node's NodePort
+    in_pod = bind_in_pod(lab, 30080)
+    assert in_pod.returncode == 0, in_pod.stderr
     # the Service gone, the port is free again
     (source / "np.yaml").unlink()
     agent.wait_synced(after=time.time())
-    assert lab.run_client([sys.executable, "-c", bind, "30080"]).returncode == 0
+    assert lab.run_client([sys.executable, "-c", BIND, "30080"]).returncode == 0
 
 
 def test_upgrade_to_a_new_map_layout_has_no_moment_without_service(lab, agent):

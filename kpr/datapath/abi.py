@@ -201,6 +201,10 @@ class NodePortKey(ct.Structure):
     _fields_ = [("port", ct.c_uint16), ("protocol", ct.c_uint8), ("pad", ct.c_uint8)]
 
 
+class Config(ct.Structure):
+    _fields_ = [("node_netns_cookie", ct.c_uint64)]
+
+
 @dataclass(frozen=True)
 class MapSpec:
     """A pinned map: its name in C, its pin name, and the sizes kpr expects."""
@@ -285,6 +289,7 @@ MAPS: dict[str, MapSpec] = {
             "KPR_SOURCE_RANGE_MAX",
         ),
         _spec("kpr_node_ports", BPF_MAP_TYPE_HASH, NodePortKey, ct.c_uint8, 65536),
+        _spec("kpr_config", BPF_MAP_TYPE_ARRAY, ct.c_uint32, Config, 1),
     )
 }
 
@@ -364,3 +369,4 @@ SLOT_BLOCK = struct.Struct(f"<{BLOCK_SLOTS}I")  # struct kpr_slot_block
 DEVICE = struct.Struct("<4s16sxxxx")  # address4, address6
 SOURCE_RANGE_KEY = struct.Struct("<II16s")  # prefixlen, service_id, address
 NODE_PORT_KEY = struct.Struct("<HBx")  # port, protocol
+CONFIG = struct.Struct("<Q")  # struct kpr_config: node_netns_cookie

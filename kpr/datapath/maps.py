@@ -590,6 +590,11 @@ class BpfMaps:
     def delete_backends(self, entries: dict[int, Backend]) -> None:
         self._delete(_pack_addresses("backends", entries))
 
+    def write_node_netns(self, cookie: int) -> None:
+        """The node's network namespace (its cookie; 0: unknown), where bind() to a NodePort
+        number is refused (struct kpr_config)."""
+        self.maps["kpr_config"].update_packed(abi.ID.pack(0), abi.CONFIG.pack(cookie))
+
     def sync_node_ports(self, wanted: set[tuple[int, str]]) -> None:
         """Make kpr_node_ports hold exactly these (port, protocol) pairs."""
         pinned = self.maps["kpr_node_ports"]
