@@ -56,7 +56,7 @@ static __always_inline int verdict(struct bpf_sock_addr *ctx, int pick)
 
 /* sessionAffinity ClientIP: the slot this client (its network namespace) used
  * while its timeout lasts, with the backend that was there; 0: none. */
-static __always_inline __u16 sticky_slot(struct bpf_sock_addr *ctx,
+static __always_inline __u32 sticky_slot(struct bpf_sock_addr *ctx,
 					 const struct kpr_service *master, __u64 now,
 					 __u32 *backend_id)
 {
@@ -76,7 +76,7 @@ static __always_inline __u16 sticky_slot(struct bpf_sock_addr *ctx,
 
 /* Each connect renews the affinity, as kube-proxy's `recent` match does. */
 static __always_inline void remember_sticky(struct bpf_sock_addr *ctx,
-					    const struct kpr_service *master, __u16 slot,
+					    const struct kpr_service *master, __u32 slot,
 					    __u32 backend_id, __u64 now)
 {
 	struct kpr_affinity_key akey = {
@@ -231,7 +231,7 @@ static __always_inline bool recall_peer(struct bpf_sock_addr *ctx, __u32 *addres
 }
 
 /* The backend id of `slot` from the frontend's slot block; 0: read the slot entry. */
-static __always_inline __u32 block_backend(const struct kpr_service *master, __u16 slot)
+static __always_inline __u32 block_backend(const struct kpr_service *master, __u32 slot)
 {
 	__u32 service_id = master->service_id;
 	struct kpr_slot_block *block;

@@ -10,7 +10,6 @@ from __future__ import annotations
 from typing import Any
 
 from kpr.model import (
-    MAX_SLOTS,
     PROTOCOLS,
     Backend,
     Endpoint,
@@ -152,13 +151,8 @@ def _why_not(
     node: NodeContext,
 ) -> str | None:
     """None when the endpoint gets traffic under `policy`, else the reason, in the order
-    translation decides: capacity, node (Local), conditions, topology hints."""
+    translation decides: node (Local), conditions, topology hints."""
     if backend in chosen:
-        if len(chosen) > MAX_SLOTS:
-            return (
-                f"over capacity: {len(chosen)} endpoints, more than the {MAX_SLOTS} a "
-                "frontend holds; the maps keep what was programmed before"
-            )
         return None
     if policy == "Local" and not is_local(endpoint, node):
         where = f"node {endpoint.node_name}" if endpoint.node_name else "no node"

@@ -13,7 +13,6 @@ from ipaddress import IPv4Address
 
 from kpr.model import (
     EXTERNAL,
-    MAX_SLOTS,
     PROTOCOLS,
     SOCKET,
     Backend,
@@ -116,18 +115,7 @@ def _translate_service(
             family_slices = slices_of[version]
             if (version, policy) not in selected:
                 selected[(version, policy)] = select_backends(port, family_slices, policy, node)
-            backends = selected[(version, policy)]
-            if len(backends) > MAX_SLOTS:
-                translation.problems.append(
-                    Problem(
-                        f"{frontend} has {len(backends)} backends, more than the {MAX_SLOTS}"
-                        " the datapath holds; what is programmed for it is kept",
-                        ref,
-                        field,
-                    )
-                )
-                translation.held.add(frontend)
-                continue
+            backends = selected[(version, policy)]  # as many as there are: no limit
             ranges = ()
             if (
                 kind == "LoadBalancer"

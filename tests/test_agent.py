@@ -451,6 +451,54 @@ def test_upgrade_to_a_new_map_layout_has_no_moment_without_service(lab, agent):
     assert cgroup_programs.count("kpr_connect4") == 1  # the old program was replaced
 
 
+# The last commit whose service keys and affinity values had a 16-bit slot and padding.
+SIXTEEN_BIT_SLOTS = "dc47974078eb68f6314e676cf571bca02e04f357"
+
+
+def test_upgrade_from_16_bit_slots_keeps_the_pinned_maps_and_serves_throughout(
+    lab, agent, tmp_path
+):
+    """The previous layout's agent (that commit, run from its own tree) pins and serves;
+    the new one reads its maps as they are (the slot's bytes did not change): it finds
+    them equal to what it wants and writes nothing, swaps the programs with no moment
+    without service, and then writes changes into the same maps."""
+    previous = tmp_path / "previous"
+    previous.mkdir()
+    root = Path(__file__).resolve().parents[1]
+    archive = subprocess.run(
+        ["git", "-C", str(root), "archive", SIXTEEN_BIT_SLOTS], capture_output=True
+    )
+    if archive.returncode != 0:
+        pytest.skip(f"the 16-bit slot layout's commit is not in this checkout: {archive.stderr}")
+    subprocess.run(["tar", "-x", "-C", str(previous)], input=archive.stdout, check=True)
+    source = agent.log.parent / "manifests"
+    echo(lab, source)
+    new_args = agent.args
+    # run from the old tree: `python -m` looks in the working directory first
+    agent.args = ["sh", "-c", 'cd "$0" && exec "$@"', str(previous), *new_args]
+    agent.start()
+    agent.wait_synced()
+    assert not (agent.pin_dir / "v1_config").exists()  # (a map that build did not have)
+    before = snapshot_maps(agent.pin_dir)
+    agent.kill(signal.SIGKILL)
+    client = loop_client(lab, 10)  # outlasts the start: compile, first sync, swap
+    time.sleep(0.5)
+    agent.args = new_args
+    agent.start()
+    agent.wait_synced()
+    summary = json.loads(client.communicate(timeout=30)[0])
+    assert summary["errors"] == [] and len(summary["counts"]) == 3, summary
+    log = agent.log.read_text()
+    assert "pinned map replaced" not in log  # the same maps, kept
+    assert "map operations" not in log.split("programs pinned in")[-1]  # read as they were
+    assert snapshot_maps(agent.pin_dir) == before
+    echo(lab, source, pods=(2,))  # slot 1 rewritten, slots 2 and 3 deleted
+    agent.wait_synced(after=time.time())
+    assert {r["pod"] for r in tcp_results(lab, 20)} == {lab.pods[2].name}
+    frontends = {s["frontend"]: s for s in status_json(agent.pin_dir)["services"]}
+    assert frontends[f"{VIP4}:80/TCP"]["backends"] == [f"{lab.pods[2].ipv4}:8080"]
+
+
 def test_changing_map_sizes_swaps_in_new_maps_without_a_moment_without_service(lab, agent):
     echo(lab, agent.log.parent / "manifests")
     agent.start()

@@ -6,7 +6,7 @@ from dataclasses import replace
 from ipaddress import ip_address
 
 from kpr.explain import explain, render
-from kpr.model import MAX_SLOTS, EndpointPort, EndpointSlice, NodeContext, ServicePort
+from kpr.model import EndpointPort, EndpointSlice, NodeContext, ServicePort
 from tests.test_translate import HTTP, endpoint, endpoint_slice, service
 
 NODE = NodeContext(name="node-1", zone="zone-a")
@@ -66,10 +66,9 @@ def test_topology_hints_say_which_zone_they_are_for() -> None:
     }
 
 
-def test_an_over_capacity_frontend_says_it_keeps_what_was_programmed() -> None:
-    many = [endpoint(str(ip_address("10.244.0.0") + i)) for i in range(MAX_SLOTS + 1)]
-    reasons = set(verdicts(service(), [endpoint_slice(*many)]).values())
-    assert len(reasons) == 1 and next(iter(reasons)).startswith("over capacity: 4097 endpoints")
+def test_every_endpoint_of_a_5000_endpoint_service_gets_traffic() -> None:
+    many = [endpoint(str(ip_address("10.244.0.0") + i)) for i in range(5000)]
+    assert set(verdicts(service(), [endpoint_slice(*many)]).values()) == {None}
 
 
 def test_invalid_or_mismatched_slice_ports_are_named() -> None:

@@ -14,7 +14,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ABI_VERSION = 1
-MAX_SLOTS = 4096  # KPR_MAX_SLOTS
 
 BPF_DIR = Path(__file__).resolve().parents[2] / "bpf"
 
@@ -46,8 +45,7 @@ class Service4Key(ct.Structure):
         ("port", ct.c_uint16),
         ("protocol", ct.c_uint8),
         ("scope", ct.c_uint8),
-        ("slot", ct.c_uint16),
-        ("pad2", ct.c_uint16),
+        ("slot", ct.c_uint32),  # was a 16-bit slot and padding: the same bytes below 65,536
     ]
 
 
@@ -57,8 +55,7 @@ class Service6Key(ct.Structure):
         ("port", ct.c_uint16),
         ("protocol", ct.c_uint8),
         ("scope", ct.c_uint8),
-        ("slot", ct.c_uint16),
-        ("pad2", ct.c_uint16),
+        ("slot", ct.c_uint32),
     ]
 
 
@@ -134,8 +131,7 @@ class Affinity(ct.Structure):
     _fields_ = [
         ("last_used_ns", ct.c_uint64),
         ("backend_id", ct.c_uint32),
-        ("slot", ct.c_uint16),
-        ("pad", ct.c_uint16),
+        ("slot", ct.c_uint32),
     ]
 
 
@@ -294,6 +290,10 @@ MAPS: dict[str, MapSpec] = {
 }
 
 
+# Maps added to this ABI version after its first release: a pin directory of an older
+# build lacks them until the agent of this one compiles (and so creates) them.
+ADDED_MAPS = {"kpr_config"}
+
 # socket local storage (kpr_sock_peer): no entries to read or size, but pinned like the rest
 SOCK_PEER_PIN = f"v{ABI_VERSION}_sock_peer"
 
@@ -359,8 +359,8 @@ class MapSizes:
 
 # struct-module formats of the same layouts, for packing many entries fast
 # (tests/test_abi.py checks each against its ctypes mirror).
-SERVICE4_KEY = struct.Struct("<4sHBBHxx")  # address, port, protocol, scope, slot
-SERVICE6_KEY = struct.Struct("<16sHBBHxx")
+SERVICE4_KEY = struct.Struct("<4sHBBI")  # address, port, protocol, scope, slot
+SERVICE6_KEY = struct.Struct("<16sHBBI")
 SERVICE_VALUE = struct.Struct("<IIIIIxxxx")  # backend_id, count, service_id, flags, affinity
 BACKEND4 = struct.Struct("<4sHxx")  # address, port; also struct kpr_revnat4
 BACKEND6 = struct.Struct("<16sHxx")
