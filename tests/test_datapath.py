@@ -219,6 +219,21 @@ def test_a_service_id_past_the_slot_block_array_gets_no_block_and_no_error(clust
     assert (written.failed, written.errors) == (set(), [])
 
 
+def test_internal_policy_local_with_endpoints_only_elsewhere_refuses_at_once(cluster):
+    """kube-proxy drops these (the connect times out); a socket hook can only translate or
+    fail the call, so kpr refuses at once, and says so (README: drop versus refuse)."""
+    pods = cluster.lab.pods
+    web = kube.service("local", ["10.96.0.60"], PORTS, internalTrafficPolicy="Local")
+    eps = kube.endpoint_slice("local", [str(pods[0].ipv4)], POD_PORTS)
+    eps["endpoints"][0]["nodeName"] = "node-2"  # the agent is node-1
+    cluster.apply("local.yaml", web, eps)
+    began = time.monotonic()
+    results = cluster.probe("tcp", "10.96.0.60", 80, "--count", 3)
+    assert {r.get("error") for r in results} == {"ECONNREFUSED"}
+    assert time.monotonic() - began < 1.5  # (a drop would take the probe's 2 s per connect)
+    assert cluster.agent.desired.no_local_endpoints[("default", "local")] == (2, 0)
+
+
 def test_the_paired_latency_client_connects_from_each_sides_cgroup(cluster):
     # what `kpr bench` relies on for kpr's ratios: side a (the baseline cgroup) never meets
     # kpr's programs, side b (the lab's cgroup) always does, though one process runs both

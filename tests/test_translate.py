@@ -7,6 +7,7 @@ from ipaddress import IPv4Address, IPv6Address, ip_address, ip_network
 from pathlib import Path
 from typing import Any
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -698,6 +699,32 @@ def test_local_policy_without_a_local_endpoint_drops_where_no_endpoint_at_all_re
     assert (state.backends, state.drop) == ((), True)
     state = translate([svc], [], EXTERNAL_NODE).frontends[external]
     assert (state.backends, state.drop) == ((), False)
+
+
+@pytest.mark.parametrize(
+    "serving,terminating,drop",
+    [(True, True, True), (False, True, False), (True, False, False)],
+)
+def test_endpoints_elsewhere_that_only_serve_while_terminating_count_as_endpoints(
+    serving, terminating, drop
+):
+    # kube-proxy's CategorizeEndpoints: under a Local policy a serving, terminating
+    # endpoint anywhere is an endpoint (hasAnyEndpoints), so there being none here drops;
+    # one that is not serving (or not ready and not terminating) counts for nothing
+    svc = service(ports=(HTTP_NP,), type="NodePort", external_traffic_policy="Local")
+    remote = endpoint_slice(
+        endpoint(
+            "10.244.2.11",
+            node_name="node-2",
+            ready=False,
+            serving=serving,
+            terminating=terminating,
+        )
+    )
+    state = translate([svc], [remote], EXTERNAL_NODE).frontends[
+        Frontend(NODE_IP, 30080, "TCP", EXTERNAL)
+    ]
+    assert (state.backends, state.drop) == ((), drop)
 
 
 def test_external_ips_outside_the_allowed_cidrs_are_not_served_and_named():
