@@ -241,6 +241,28 @@ def test_cleanup_detaches_and_removes_every_pin(lab, agent):
     assert "error" in results[0]  # the ClusterIP means nothing without kpr
 
 
+def test_cleanup_refuses_while_the_agent_runs_and_force_detaches_anyway(lab, agent):
+    """A live agent would attach and pin again at its next full sync: `kpr cleanup` says so
+    and removes nothing; with --force it removes everything, warning that it comes back."""
+    echo(lab, agent.log.parent / "manifests")
+    agent.start()
+    agent.wait_synced()
+    cleanup = [*KPR, "cleanup", "--bpffs", str(agent.pin_dir)]
+    out = subprocess.run(cleanup, capture_output=True, text=True)
+    assert out.returncode != 0
+    assert f"A kpr agent is running on {agent.pin_dir} (pid {agent.process.pid} " in out.stderr
+    assert "--force" in out.stderr
+    assert all(loader.attached_hooks(lab.cgroup, agent.pin_dir).values())  # nothing removed
+    assert {r["pod"] for r in tcp_results(lab, 20)} == {p.name for p in lab.pods}
+    forced = subprocess.run([*cleanup, "--force"], capture_output=True, text=True)
+    assert forced.returncode == 0, forced.stderr
+    assert "warning: a kpr agent is running" in forced.stderr
+    assert not agent.pin_dir.exists()
+    agent.kill(signal.SIGKILL)  # the kernel drops its lock with it: a plain cleanup runs
+    out = subprocess.run(cleanup, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+
+
 # --- set-up errors: one paragraph saying what to do ------------------------------------
 
 
