@@ -77,7 +77,9 @@ class ProgrammedState:
         self.max_backend_id = max(self.backends, default=0)
         ids = self.service_ids_in_use()
         self.max_service_id = max(ids, default=0)
-        self.free_service_ids = [i for i in range(1, self.max_service_id) if i not in ids]
+        # (bounded: a map written by hand may hold any id, and a few free ones suffice)
+        below = min(self.max_service_id, len(ids) + 65536)
+        self.free_service_ids = [i for i in range(1, below) if i not in ids]
         return self
 
 
