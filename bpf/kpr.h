@@ -22,9 +22,6 @@
 /* Pinned map names start with this; a changed layout gets a new version. */
 #define KPR_ABI_VERSION 1
 
-/* Backends one service frontend may have (slots 1..KPR_MAX_SLOTS). */
-#define KPR_MAX_SLOTS 4096
-
 /* A frontend with at most this many backends also has its slots in
  * kpr_slot_blocks (struct kpr_slot_block: one cache line). */
 #define KPR_BLOCK_SLOTS 16
@@ -59,13 +56,16 @@ enum kpr_outcome {
 
 /* Addresses are byte arrays in network order and ports are in host order, so
  * `bpftool map dump` shows them as people read them ([10,96,0,10], 80). */
+/* `slot` (and kpr_affinity's) was a __u16 and its zero padding while a frontend
+ * had at most 4,096 backends: on a little-endian machine the bytes of every slot
+ * below 65,536 are the same, so the maps pinned by that layout are read and
+ * written by both, and an upgrade keeps them (tests/test_agent.py). */
 struct kpr_service4_key {
 	__u8 address[4];  /* ClusterIP, node address, LoadBalancer IP or external IP */
 	__u16 port;
 	__u8 protocol;    /* IPPROTO_TCP / IPPROTO_UDP */
 	__u8 scope;       /* KPR_SCOPE_* */
-	__u16 slot;       /* 0: master entry, 1..count: backend slots */
-	__u16 pad2;
+	__u32 slot;       /* 0: master entry, 1..count: backend slots */
 };
 
 struct kpr_service6_key {
@@ -73,8 +73,7 @@ struct kpr_service6_key {
 	__u16 port;
 	__u8 protocol;
 	__u8 scope;
-	__u16 slot;
-	__u16 pad2;
+	__u32 slot;
 };
 
 /* Master entry (slot 0): count, service_id, flags. Slot entry: backend_id. */
@@ -173,8 +172,7 @@ struct kpr_affinity_key {
 struct kpr_affinity {
 	__u64 last_used_ns;  /* bpf_ktime_get_ns() of the last connect */
 	__u32 backend_id;
-	__u16 slot;          /* where backend_id was: checked again before reuse */
-	__u16 pad;
+	__u32 slot;          /* where backend_id was: checked again before reuse */
 };
 
 /* --- TC datapath (bpf/nodeport.c): NodePort, LoadBalancer, external IPs --- */
@@ -247,6 +245,13 @@ struct kpr_node_port_key {
 	__u8 pad;
 };
 
+/* Written by the agent at start; index 0 of a one-entry array. */
+struct kpr_config {
+	/* the node's network namespace (the agent's): the only one whose binds to a
+	 * NodePort number are refused. 0: not known, refused in every namespace */
+	__u64 node_netns_cookie;
+};
+
 #define KPR_PIN(name) KPR_PIN_DIR "/v1_" name
 
 BPF_TABLE_PINNED("hash", struct kpr_service4_key, struct kpr_service, kpr_services4,
@@ -287,5 +292,6 @@ BPF_TABLE_PINNED("lpm_trie", struct kpr_source_range_key, __u8, kpr_source_range
 		 KPR_SOURCE_RANGE_MAX, KPR_PIN("source_ranges"), BPF_F_NO_PREALLOC);
 BPF_TABLE_PINNED("hash", struct kpr_node_port_key, __u8, kpr_node_ports, 65536,
 		 KPR_PIN("node_ports"), BPF_F_NO_PREALLOC);
+BPF_TABLE_PINNED("array", __u32, struct kpr_config, kpr_config, 1, KPR_PIN("config"));
 
 #endif /* KPR_H */

@@ -412,7 +412,7 @@ static __always_inline int reject(struct __sk_buff *skb, const struct flow *f)
 }
 
 /* A frontend's entry (slot 0: master) in the EXTERNAL scope. */
-static __always_inline struct kpr_service *frontend(const struct flow *f, __u16 slot)
+static __always_inline struct kpr_service *frontend(const struct flow *f, __u32 slot)
 {
 	if (is_v6(f)) {
 		struct kpr_service6_key key = {
@@ -458,7 +458,7 @@ static __always_inline bool backend(const struct flow *f, __u32 id, __u8 *addres
 /* A slot for a new flow: the client's remembered one under sessionAffinity
  * (while its timeout lasts and the slot still holds that backend), else a
  * uniformly random one. 0: the master counts a slot that is absent. */
-static __always_inline __u16 pick_slot(const struct flow *f, const struct kpr_service *master,
+static __always_inline __u32 pick_slot(const struct flow *f, const struct kpr_service *master,
 				       __u32 *backend_id)
 {
 	struct kpr_affinity_ext_key akey = { .service_id = master->service_id };
@@ -466,7 +466,7 @@ static __always_inline __u16 pick_slot(const struct flow *f, const struct kpr_se
 	__u32 timeout = master->affinity_timeout;
 	__u32 count = master->count;
 	__u64 now = 0;
-	__u16 n = 0;
+	__u32 n = 0;
 
 	if (timeout) {
 		struct kpr_affinity *sticky;

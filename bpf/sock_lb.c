@@ -56,7 +56,7 @@ static __always_inline int verdict(struct bpf_sock_addr *ctx, int pick)
 
 /* sessionAffinity ClientIP: the slot this client (its network namespace) used
  * while its timeout lasts, with the backend that was there; 0: none. */
-static __always_inline __u16 sticky_slot(struct bpf_sock_addr *ctx,
+static __always_inline __u32 sticky_slot(struct bpf_sock_addr *ctx,
 					 const struct kpr_service *master, __u64 now,
 					 __u32 *backend_id)
 {
@@ -76,7 +76,7 @@ static __always_inline __u16 sticky_slot(struct bpf_sock_addr *ctx,
 
 /* Each connect renews the affinity, as kube-proxy's `recent` match does. */
 static __always_inline void remember_sticky(struct bpf_sock_addr *ctx,
-					    const struct kpr_service *master, __u16 slot,
+					    const struct kpr_service *master, __u32 slot,
 					    __u32 backend_id, __u64 now)
 {
 	struct kpr_affinity_key akey = {
@@ -231,7 +231,7 @@ static __always_inline bool recall_peer(struct bpf_sock_addr *ctx, __u32 *addres
 }
 
 /* The backend id of `slot` from the frontend's slot block; 0: read the slot entry. */
-static __always_inline __u32 block_backend(const struct kpr_service *master, __u16 slot)
+static __always_inline __u32 block_backend(const struct kpr_service *master, __u32 slot)
 {
 	__u32 service_id = master->service_id;
 	struct kpr_slot_block *block;
@@ -484,9 +484,22 @@ static __always_inline int reverse_hook6(struct bpf_sock_addr *ctx)
 	return 1;
 }
 
-/* A local socket bound to a NodePort in use would take the port's traffic
- * from the Service (kube-proxy holds these ports open for the same reason):
- * bind() fails with EADDRINUSE. Port 0 (any free port) is never refused. */
+/* Whether the socket is in the node's network namespace (struct kpr_config). */
+static __always_inline bool in_node_netns(struct bpf_sock_addr *ctx)
+{
+	__u32 zero = 0;
+	struct kpr_config *config = kpr_config.lookup(&zero);
+
+	if (!config || !config->node_netns_cookie)
+		return true; /* not known yet: as if it were */
+	return bpf_get_netns_cookie(ctx) == config->node_netns_cookie;
+}
+
+/* A socket of the node bound to a NodePort in use would take the port's traffic
+ * from the Service (kube-proxy holds these ports open in the node's network
+ * namespace for the same reason): bind() fails with EADDRINUSE. A pod has a
+ * network namespace of its own, where the number is free. Port 0 (any free
+ * port) is never refused. */
 static __always_inline int guard_node_port(struct bpf_sock_addr *ctx)
 {
 	struct kpr_node_port_key key = {
@@ -494,7 +507,7 @@ static __always_inline int guard_node_port(struct bpf_sock_addr *ctx)
 		.protocol = ctx->protocol,
 	};
 
-	if (key.port == 0 || !kpr_node_ports.lookup(&key))
+	if (key.port == 0 || !kpr_node_ports.lookup(&key) || !in_node_netns(ctx))
 		return 1;
 	bpf_set_retval(-KPR_EADDRINUSE);
 	return 0;

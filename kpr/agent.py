@@ -159,15 +159,20 @@ class Agent:
         # the address a remote backend sees for masqueraded flows, before any TC program runs
         tc.write_devices(cfg.pin_dir, {d.index: (d.first(4), d.first(6)) for d in cfg.devices})
         self.maps = BpfMaps(cfg.pin_dir)
+        self._write_node_netns()
         self.programmed = self.maps.read()
         self.state = runstate.RunState(str(cfg.pin_dir), str(cgroup), self.source.description)
         self.state.devices = {d.name: [str(a) for a in d.addresses] for d in cfg.devices}
         self.state.node_port_addresses = [str(a) for a in cfg.node.node_port_addresses]
         self.state.node = node_record(cfg.node)
         self.state.kubeconfig = cfg.kubeconfig
-        self.state.conflicts = conflicts.kube_proxy_rules() + conflicts.foreign_programs(cgroup)
+        rules = conflicts.check_kube_proxy_rules()
+        self.state.conflicts = rules.found + conflicts.foreign_programs(cgroup)
         for conflict in self.state.conflicts:
             log.warning("conflict: %s", conflict)
+        self.state.conflicts_not_checked = rules.not_run
+        for why in rules.not_run:
+            log.warning("conflict check for kube-proxy's rules could not run: %s", why)
         self.state.save()
         log.info(
             "programs pinned in %s, to be attached to cgroup %s after the first sync; the "
@@ -177,6 +182,18 @@ class Agent:
             len(self.programmed.services),
             len(self.programmed.backends),
         )
+
+    def _write_node_netns(self) -> None:
+        """bind() to a NodePort number is refused in the node's network namespace only,
+        where kube-proxy holds the ports: this one. A pod's is its own."""
+        assert self.maps is not None
+        cookie = host.netns_cookie()
+        if cookie is None:
+            log.warning(
+                "this kernel cannot tell kpr its network namespace (SO_NETNS_COOKIE, Linux "
+                "5.14): bind() to a NodePort number is refused in every network namespace"
+            )
+        self.maps.write_node_netns(cookie or 0)
 
     def _attach(self) -> None:
         """Attach the new programs once the maps hold the first sync. Until then the

@@ -159,6 +159,9 @@ def run(
     servers: list[BackgroundServer] = []  # bound before the agent starts; closed again if it cannot
     try:
         host.require_root()
+        # held until this process exits: `kpr cleanup` refuses while it is (kept in a local
+        # that lives as long as the agent runs below)
+        agent_lock = runstate.hold_agent_lock(bpffs)
         proxy = ProxyConfig()
         if config_file is not None:
             try:
@@ -249,6 +252,7 @@ def run(
     try:
         agent.run(stop)
     finally:
+        os.close(agent_lock)
         for server in servers:
             server.stop()
         if agent.health_checks is not None:
@@ -311,6 +315,14 @@ def cleanup(
         Path | None,
         typer.Option(help="cgroup to detach from (default: where the agent attached)."),
     ] = None,
+    force: Annotated[
+        bool,
+        typer.Option(
+            "--force",
+            help="Also while a `kpr run` of --bpffs is alive (it attaches and pins again at "
+            "its next full sync unless it is stopped first).",
+        ),
+    ] = False,
 ) -> None:
     """Detach kpr's programs and remove its pins: nothing of kpr stays on the node."""
     from kpr.datapath import loader
@@ -320,6 +332,23 @@ def cleanup(
     except host.SetupError as err:
         _fail(err)
     state = runstate.load(bpffs)
+    if runstate.agent_running(bpffs):
+        pid = f" (pid {state.pid} where it runs)" if state else ""
+        if not force:
+            _fail(
+                host.SetupError(
+                    f"A kpr agent is running on {bpffs}{pid}. It would attach its programs "
+                    f"and pin its maps again at its next full sync (syncPeriod), so nothing "
+                    f"is removed. Stop it first (on a cluster: delete the DaemonSet; the "
+                    f"programs stay attached and Services keep working until this runs), or "
+                    f"pass --force when it is about to be stopped anyway."
+                )
+            )
+        typer.echo(
+            f"warning: a kpr agent is running on {bpffs}{pid}: it attaches and pins again "
+            f"at its next full sync unless it is stopped before",
+            err=True,
+        )
     targets = {p for p in (cgroup, Path(state.cgroup) if state else None) if p}
     if not targets:
         targets = {host.cgroup2_root()}

@@ -1,12 +1,15 @@
 """Things on the node that fight with kpr: kube-proxy's rules, other programs on
 kpr's cgroup hooks. Found at start, logged, and shown by `kpr status`; kpr only
-reads them and never removes anything it did not make."""
+reads them and never removes anything it did not make. A check that could not run
+(iptables-save or nft missing, or failing) is said as loudly: silence would read as
+"no conflict"."""
 
 from __future__ import annotations
 
 import os
 import shutil
 import subprocess
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from kpr.datapath import bpfsys, loader
@@ -22,30 +25,54 @@ _IPTABLES_DUMPS = [
 _KUBE_PROXY_NFT_TABLES = ("table ip kube-proxy", "table ip6 kube-proxy")
 
 
-def _run(argv: list[str], netns: str | None) -> str:
+@dataclass
+class RuleCheck:
+    """What looking for kube-proxy's rules found, and which parts could not look."""
+
+    found: list[str] = field(default_factory=list)
+    not_run: list[str] = field(default_factory=list)  # each: the tool, and why
+
+
+def _run(argv: list[str], netns: str | None, check: RuleCheck) -> str:
+    """The tool's output; "" (and why, in check.not_run) when it could not run."""
     if shutil.which(argv[0]) is None:
+        check.not_run.append(f"{argv[0]}: not found in PATH ({os.environ.get('PATH', '')})")
         return ""
     if netns:
         argv = ["ip", "netns", "exec", netns, *argv]
-    done = subprocess.run(argv, capture_output=True, text=True, timeout=30, check=False)
-    return done.stdout if done.returncode == 0 else ""
+    try:
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=30, check=False)
+    except (OSError, subprocess.TimeoutExpired) as err:
+        check.not_run.append(f"{argv[0]}: {err}")
+        return ""
+    if done.returncode != 0:
+        said = done.stderr.strip().splitlines()[-1:] or ["no message"]
+        check.not_run.append(f"{argv[0]}: exited with {done.returncode}: {said[0]}")
+        return ""
+    return done.stdout
 
 
-def kube_proxy_rules(netns: str | None = None) -> list[str]:
-    """kube-proxy's iptables chains or nftables tables in this network namespace."""
-    found = []
+def check_kube_proxy_rules(netns: str | None = None) -> RuleCheck:
+    """kube-proxy's iptables chains or nftables tables in this network namespace, and
+    the tools that could not look for them."""
+    check = RuleCheck()
     for argv in _IPTABLES_DUMPS:
-        if ":KUBE-SERVICES " in _run(argv, netns):
-            found.append(
+        if ":KUBE-SERVICES " in _run(argv, netns, check):
+            check.found.append(
                 f"kube-proxy's KUBE-SERVICES chain is in the nat table ({argv[0]}): its DNAT "
                 f"rules still apply to traffic the socket hooks do not rewrite; remove them "
                 f"(docs/operations.md) once kube-proxy is gone"
             )
-    tables = _run(["nft", "list", "tables"], netns)
+    tables = _run(["nft", "list", "tables"], netns, check)
     for table in _KUBE_PROXY_NFT_TABLES:
         if table in tables.splitlines():
-            found.append(f"kube-proxy's nftables `{table}` exists: remove it with kube-proxy")
-    return found
+            check.found.append(f"kube-proxy's nftables `{table}` exists: remove it with kube-proxy")
+    return check
+
+
+def kube_proxy_rules(netns: str | None = None) -> list[str]:
+    """kube-proxy's iptables chains or nftables tables in this network namespace."""
+    return check_kube_proxy_rules(netns).found
 
 
 def foreign_programs(cgroup: Path) -> list[str]:

@@ -10,11 +10,12 @@ from __future__ import annotations
 from typing import Any
 
 from kpr.model import (
-    MAX_SLOTS,
+    EXTERNAL,
     PROTOCOLS,
     Backend,
     Endpoint,
     EndpointSlice,
+    Frontend,
     NodeContext,
     Service,
     ServicePort,
@@ -61,7 +62,12 @@ def explain(service: Service, slices: list[EndpointSlice], node: NodeContext) ->
             continue
         policies: set[tuple[int, str]] = set()
         for frontend, kind, policy in frontends_of(service, port, node):
-            entry["frontends"].append({"frontend": str(frontend), "kind": kind, "policy": policy})
+            shown = {"frontend": str(frontend), "kind": kind, "policy": policy}
+            family = [s for s in slices if FAMILIES.get(s.address_type) == frontend.family]
+            merged = merge_endpoints(port, family)
+            if not categorize_endpoints(merged, policy, node):
+                shown["no_endpoint"] = _no_endpoint(frontend, policy, merged)
+            entry["frontends"].append(shown)
             policies.add((frontend.address.version, policy))
         for endpoint_slice in slices:
             version = FAMILIES.get(endpoint_slice.address_type)
@@ -69,6 +75,18 @@ def explain(service: Service, slices: list[EndpointSlice], node: NodeContext) ->
                 port, endpoint_slice, slices, version, families, policies, node
             )
     return out
+
+
+def _no_endpoint(frontend: Frontend, policy: str, merged: dict[Backend, Endpoint]) -> str:
+    """What a client of a frontend without endpoints on this node gets, and why."""
+    if not any(e.ready or (e.serving and e.terminating) for e in merged.values()):
+        return "none: refused (no endpoint is ready or serving), as kube-proxy rejects"
+    if frontend.scope == EXTERNAL:
+        return "none here: dropped (externalTrafficPolicy Local), as kube-proxy drops"
+    return (
+        f"none here: refused at once ({policy} policy); kube-proxy drops these connections, "
+        "a socket hook can only fail the call (README: drop versus refuse)"
+    )
 
 
 def _not_served(service: Service, node: NodeContext) -> str | None:
@@ -152,13 +170,8 @@ def _why_not(
     node: NodeContext,
 ) -> str | None:
     """None when the endpoint gets traffic under `policy`, else the reason, in the order
-    translation decides: capacity, node (Local), conditions, topology hints."""
+    translation decides: node (Local), conditions, topology hints."""
     if backend in chosen:
-        if len(chosen) > MAX_SLOTS:
-            return (
-                f"over capacity: {len(chosen)} endpoints, more than the {MAX_SLOTS} a "
-                "frontend holds; the maps keep what was programmed before"
-            )
         return None
     if policy == "Local" and not is_local(endpoint, node):
         where = f"node {endpoint.node_name}" if endpoint.node_name else "no node"
@@ -201,7 +214,11 @@ def render(explained: dict[str, Any], programmed: dict[str, list[str]]) -> str:
             continue
         for frontend in port["frontends"]:
             held = programmed.get(frontend["frontend"])
-            backends = "not in the maps" if held is None else ", ".join(held) or "none (refused)"
+            backends = (
+                "not in the maps"
+                if held is None
+                else ", ".join(held) or frontend.get("no_endpoint", "none (refused)")
+            )
             lines.append(
                 f"    {frontend['frontend']:<34} {frontend['kind']:<12} "
                 f"{frontend['policy']:<7} -> {backends}"

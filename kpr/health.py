@@ -9,10 +9,16 @@ so load balancers and probes written for kube-proxy work unchanged:
 - /healthz is also unhealthy while the Node is being deleted (deletionTimestamp set, or the
   cluster autoscaler's ToBeDeletedByClusterAutoscaler taint): load balancers drain the node;
   /livez ignores the Node, so kubelet does not restart a proxy that is only being drained.
+
+/readyz is kpr's own (kube-proxy has none): /healthz's rule, and unready until this process
+has synced the datapath once — with an API server it cannot reach, /healthz stays 200 (as
+kube-proxy's does: nothing is queued) while nothing was ever programmed. The DaemonSet's
+readinessProbe uses it, so a rollout that cannot sync stops on its first node.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import socket
 import threading
@@ -72,6 +78,7 @@ class ProxyHealth:
         self._oldest_pending_queued: float | None = None
         # Eligible while starting up, until a Node event says otherwise (as upstream).
         self._node_eligible = True
+        self._synced = False  # a full sync since this process started
 
     def queued(self) -> None:
         """A Service or EndpointSlice change is waiting to be applied."""
@@ -79,16 +86,24 @@ class ProxyHealth:
             if self._oldest_pending_queued is None:  # keep the oldest
                 self._oldest_pending_queued = self._clock()
 
-    def updated(self) -> None:
-        """A sync was applied: everything queued so far is in the datapath."""
+    def updated(self, full: bool = False) -> None:
+        """A sync was applied: everything queued so far is in the datapath. A full sync
+        (every Service and EndpointSlice listed, the whole state reconciled) makes ready."""
         with self._lock:
             self._oldest_pending_queued = None
             self._last_updated = self._clock()
+            self._synced = self._synced or full
 
     def set_node_deleting(self, deleting: bool) -> None:
         """The Node has a deletionTimestamp or the ToBeDeletedByClusterAutoscaler taint."""
         with self._lock:
             self._node_eligible = not deleting
+
+    @property
+    def synced(self) -> bool:
+        """Whether a full sync was applied since this process started (/readyz)."""
+        with self._lock:
+            return self._synced
 
     def healthy(self) -> bool:
         """The proxier's own health, ignoring the Node (upstream IsHealthy)."""
@@ -122,13 +137,17 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _serve(self, send_body: bool) -> None:
         path = self.path.split("?", 1)[0]
-        if path not in ("/healthz", "/livez"):
+        if path not in ("/healthz", "/livez", "/readyz"):
             self._reply(404, "text/plain; charset=utf-8", b"404 page not found\n", send_body)
             return
+        synced = self.server.health.synced  # (read first: it never goes back to False)
         state = self.server.health.snapshot()
         healthy = state["healthy"]
-        if path == "/healthz":
+        if path != "/livez":
             healthy = healthy and state["nodeEligible"]
+        if path == "/readyz":
+            self._ready(state, synced, healthy and synced, send_body)
+            return
         current = go_time(state["currentTime"])
         # Upstream reports "now" as lastUpdated while healthy, for compatibility with
         # releases where it was the time of the last sync loop run.
@@ -145,6 +164,18 @@ class _Handler(BaseHTTPRequestHandler):
         )
         counter.labels(code=str(code)).inc()
         self._reply(code, "application/json", body.encode(), send_body)
+
+    def _ready(self, state: dict[str, Any], synced: bool, ready: bool, send_body: bool) -> None:
+        """/readyz: when it was last synced, and whether it was since this process started."""
+        body = json.dumps(
+            {
+                "lastUpdated": go_time(state["lastUpdated"]),
+                "currentTime": go_time(state["currentTime"]),
+                "nodeEligible": state["nodeEligible"],
+                "synced": synced,
+            }
+        )
+        self._reply(200 if ready else 503, "application/json", body.encode(), send_body)
 
     def _reply(self, code: int, content_type: str, body: bytes, send_body: bool) -> None:
         self.send_response(code)
@@ -171,7 +202,7 @@ class _Server6(_Server):
 
 
 class HealthServer(BackgroundServer):
-    """Serves a ProxyHealth at /healthz and /livez over HTTP, from a daemon thread."""
+    """Serves a ProxyHealth at /healthz, /livez and /readyz over HTTP, from a daemon thread."""
 
     name = "kpr-healthz"
 

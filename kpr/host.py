@@ -52,6 +52,21 @@ def process_alive(pid: int) -> bool:
     return True
 
 
+SO_NETNS_COOKIE = 71  # <asm-generic/socket.h>, Linux 5.14
+
+
+def netns_cookie() -> int | None:
+    """This process's network namespace cookie, as bpf_get_netns_cookie() gives it
+    (None: a kernel before 5.14 cannot say)."""
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+        try:
+            return int.from_bytes(sock.getsockopt(socket.SOL_SOCKET, SO_NETNS_COOKIE, 8), "little")
+        except OSError:
+            return None
+
+
 def require_root() -> None:
     if os.geteuid() != 0:
         raise SetupError(

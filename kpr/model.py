@@ -17,9 +17,6 @@ IPNetwork = IPv4Network | IPv6Network
 
 PROTOCOLS = ("TCP", "UDP")
 
-# Backends one frontend may have; mirrors KPR_MAX_SLOTS in bpf/kpr.h (change both together).
-MAX_SLOTS = 4096
-
 
 @dataclass(frozen=True, order=True)
 class ObjectRef:

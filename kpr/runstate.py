@@ -7,6 +7,7 @@ pin directory (a tmpfs, cleared with the pins at reboot). Written atomically.
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import subprocess
@@ -28,6 +29,37 @@ def desired_path(pin_dir: Path) -> Path:
     """What the agent wants, in a file of its own: large (a line per backend),
     written only when it changes, never kept in the agent's memory."""
     return path_for(pin_dir).with_suffix(".desired.json")
+
+
+def lock_path(pin_dir: Path) -> Path:
+    """Held (flock, shared) by every `kpr run` on this pin directory while it lives: the
+    kernel lets it go with the process, however it ends, and it is the same file for a
+    command on the node and one in the agent's pod (/run/kpr is a hostPath there)."""
+    return path_for(pin_dir).with_suffix(".lock")
+
+
+def hold_agent_lock(pin_dir: Path) -> int:
+    """Mark this process as a live agent of `pin_dir` until it exits; the fd to keep."""
+    path = lock_path(pin_dir)
+    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    fcntl.flock(fd, fcntl.LOCK_SH)
+    return fd
+
+
+def agent_running(pin_dir: Path) -> bool:
+    """Whether a `kpr run` of `pin_dir` is alive (holds the lock), in any PID namespace."""
+    try:
+        fd = os.open(lock_path(pin_dir), os.O_RDWR | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)  # (and with it the lock, if it was taken)
+    return False
 
 
 def _write_atomically(path: Path, content: object) -> None:
@@ -56,6 +88,7 @@ class RunState:
     failed: list[str] = field(default_factory=list)
     watches: dict[str, dict] = field(default_factory=dict)  # the source's status
     conflicts: list[str] = field(default_factory=list)  # found at start (kpr/conflicts.py)
+    conflicts_not_checked: list[str] = field(default_factory=list)  # tools that could not look
     # the TC program's devices: name -> addresses; NodePorts answer on node_port_addresses
     devices: dict[str, list[str]] = field(default_factory=dict)
     node_port_addresses: list[str] = field(default_factory=list)
@@ -133,3 +166,4 @@ def wait_synced(
 def remove(pin_dir: Path) -> None:
     path_for(pin_dir).unlink(missing_ok=True)
     desired_path(pin_dir).unlink(missing_ok=True)
+    lock_path(pin_dir).unlink(missing_ok=True)

@@ -93,6 +93,7 @@ def report(pin_dir: Path) -> dict:
             "problems": state.problems,
             "watches": state.watches,
             "conflicts": state.conflicts,
+            "conflicts_not_checked": state.conflicts_not_checked,
             "failed": state.failed,
             "node_port_addresses": state.node_port_addresses,
         }
@@ -180,6 +181,9 @@ def render(status: dict) -> str:
     if agent and agent.get("conflicts"):
         lines.append(f"CONFLICTS ({len(agent['conflicts'])}):")
         lines.extend(f"  {c}" for c in agent["conflicts"])
+    if agent and agent.get("conflicts_not_checked"):
+        lines.append("conflict check NOT RUN: kube-proxy's rules could be there unseen:")
+        lines.extend(f"  {c}" for c in agent["conflicts_not_checked"])
     if agent and agent["problems"]:
         lines.append(f"problems ({len(agent['problems'])}):")
         lines.extend(f"  {p}" for p in agent["problems"][:50])

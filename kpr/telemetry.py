@@ -39,7 +39,7 @@ class Telemetry:
     def synced(self, result: SyncResult) -> None:
         m = self.metrics
         now = time.time()
-        self.health.updated()
+        self.health.updated(full=result.full)
         m.sync_proxy_rules_latency.observe(result.seconds)
         if result.full:
             m.sync_full_proxy_rules_latency.observe(result.seconds)

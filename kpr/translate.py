@@ -13,7 +13,6 @@ from ipaddress import IPv4Address
 
 from kpr.model import (
     EXTERNAL,
-    MAX_SLOTS,
     PROTOCOLS,
     SOCKET,
     Backend,
@@ -116,18 +115,7 @@ def _translate_service(
             family_slices = slices_of[version]
             if (version, policy) not in selected:
                 selected[(version, policy)] = select_backends(port, family_slices, policy, node)
-            backends = selected[(version, policy)]
-            if len(backends) > MAX_SLOTS:
-                translation.problems.append(
-                    Problem(
-                        f"{frontend} has {len(backends)} backends, more than the {MAX_SLOTS}"
-                        " the datapath holds; what is programmed for it is kept",
-                        ref,
-                        field,
-                    )
-                )
-                translation.held.add(frontend)
-                continue
+            backends = selected[(version, policy)]  # as many as there are: no limit
             ranges = ()
             if (
                 kind == "LoadBalancer"
@@ -147,11 +135,12 @@ def _translate_service(
                 if service.load_balancer_source_ranges and not ranges:
                     continue  # no source of this family is allowed: nothing to serve
             # kube-proxy drops external traffic that has endpoints, just none on this node
+            # (at the socket kpr cannot drop: it refuses, see README "Drop versus refuse")
             drop = (
                 frontend.scope == EXTERNAL
                 and policy == "Local"
                 and not backends
-                and has_ready_endpoints(port, family_slices)
+                and has_endpoints(port, family_slices)
             )
             translation.frontends[frontend] = FrontendState(
                 service_port_name(service, port), backends, affinity_timeout, kind, ranges, drop
@@ -230,8 +219,12 @@ def external_ip_allowed(address: IPAddress, node: NodeContext) -> bool:
     return cidrs is None or any(address in network for network in cidrs)
 
 
-def has_ready_endpoints(port: ServicePort, slices: list[EndpointSlice]) -> bool:
-    return any(e.ready for e in merge_endpoints(port, slices).values())
+def has_endpoints(port: ServicePort, slices: list[EndpointSlice]) -> bool:
+    """Whether a Local-policy port has endpoints anywhere (kube-proxy's hasAnyEndpoints in
+    CategorizeEndpoints): ready ones, or serving and terminating ones."""
+    return any(
+        e.ready or (e.serving and e.terminating) for e in merge_endpoints(port, slices).values()
+    )
 
 
 def local_ready_endpoints(service: Service, slices: list[EndpointSlice], node: NodeContext) -> int:

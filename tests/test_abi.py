@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ctypes as ct
+import struct
 
 from kpr import model
 from kpr.datapath import abi
@@ -46,10 +47,23 @@ def test_slot_limit_and_version_match_the_header():
         f"#define KPR_SVC_F_SOURCE_RANGES (1 << {abi.SVC_F_SOURCE_RANGES.bit_length() - 1})"
         in header
     )
-    assert f"#define KPR_MAX_SLOTS {abi.MAX_SLOTS}\n" in header
     assert f"#define KPR_BLOCK_SLOTS {abi.BLOCK_SLOTS}\n" in header
     assert f"#define KPR_ABI_VERSION {abi.ABI_VERSION}\n" in header
     assert f'"/v{abi.ABI_VERSION}_" name' in header
+
+
+def test_32_bit_slots_are_the_bytes_of_the_earlier_16_bit_slots_and_padding():
+    """The service keys and affinity values had a 16-bit slot and zero padding: the maps
+    pinned by that layout stay usable as they are (same sizes, same bytes)."""
+    old4, old6 = struct.Struct("<4sHBBHxx"), struct.Struct("<16sHBBHxx")
+    assert (old4.size, old6.size) == (abi.SERVICE4_KEY.size, abi.SERVICE6_KEY.size)
+    for slot in (0, 1, 4096, 4097, 65535):
+        v4, v6 = bytes([10, 96, 0, 10]), bytes(range(16))
+        assert abi.SERVICE4_KEY.pack(v4, 80, 6, 1, slot) == old4.pack(v4, 80, 6, 1, slot)
+        assert abi.SERVICE6_KEY.pack(v6, 80, 17, 0, slot) == old6.pack(v6, 80, 17, 0, slot)
+        new = bytes(abi.Affinity(last_used_ns=5, backend_id=7, slot=slot))
+        assert new == struct.pack("<QIHxx", 5, 7, slot)
+    assert ct.sizeof(abi.Affinity) == struct.calcsize("<QIHxx")
 
 
 def test_struct_formats_pack_the_same_bytes_as_the_ctypes_mirror():

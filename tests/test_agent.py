@@ -191,6 +191,26 @@ def test_status_reads_the_pinned_maps_with_the_agent_stopped(lab, agent):
     assert "NEARLY FULL" not in text  # one small Service: no map is near its capacity
 
 
+def test_a_conflict_check_that_cannot_run_is_said_in_the_log_and_by_status(lab, agent, monkeypatch):
+    """Without iptables-save and nft (the image had neither) kube-proxy's rules cannot be
+    looked for: the agent says so, naming each tool, and `kpr status` shows it."""
+    from tests.test_conflicts import IPTABLES_AND_NFT, path_without
+
+    monkeypatch.setenv("PATH", path_without(agent.log.parent, *IPTABLES_AND_NFT))
+    echo(lab, agent.log.parent / "manifests")
+    agent.start()
+    agent.wait_synced()
+    log = agent.log.read_text()
+    for tool in IPTABLES_AND_NFT:
+        assert f"conflict check for kube-proxy's rules could not run: {tool}: not found" in log
+    monkeypatch.undo()
+    assert len(status_json(agent.pin_dir)["agent"]["conflicts_not_checked"]) == 5
+    text = subprocess.run(
+        [*KPR, "status", "--bpffs", str(agent.pin_dir)], capture_output=True, text=True
+    ).stdout
+    assert "conflict check NOT RUN" in text and "  nft: not found in PATH" in text, text
+
+
 def test_status_reports_drift_made_behind_the_agents_back(lab, agent):
     echo(lab, agent.log.parent / "manifests")
     agent.start()
@@ -219,6 +239,28 @@ def test_cleanup_detaches_and_removes_every_pin(lab, agent):
     assert runstate.load(agent.pin_dir) is None
     results = tcp_results(lab, 1)
     assert "error" in results[0]  # the ClusterIP means nothing without kpr
+
+
+def test_cleanup_refuses_while_the_agent_runs_and_force_detaches_anyway(lab, agent):
+    """A live agent would attach and pin again at its next full sync: `kpr cleanup` says so
+    and removes nothing; with --force it removes everything, warning that it comes back."""
+    echo(lab, agent.log.parent / "manifests")
+    agent.start()
+    agent.wait_synced()
+    cleanup = [*KPR, "cleanup", "--bpffs", str(agent.pin_dir)]
+    out = subprocess.run(cleanup, capture_output=True, text=True)
+    assert out.returncode != 0
+    assert f"A kpr agent is running on {agent.pin_dir} (pid {agent.process.pid} " in out.stderr
+    assert "--force" in out.stderr
+    assert all(loader.attached_hooks(lab.cgroup, agent.pin_dir).values())  # nothing removed
+    assert {r["pod"] for r in tcp_results(lab, 20)} == {p.name for p in lab.pods}
+    forced = subprocess.run([*cleanup, "--force"], capture_output=True, text=True)
+    assert forced.returncode == 0, forced.stderr
+    assert "warning: a kpr agent is running" in forced.stderr
+    assert not agent.pin_dir.exists()
+    agent.kill(signal.SIGKILL)  # the kernel drops its lock with it: a plain cleanup runs
+    out = subprocess.run(cleanup, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
 
 
 # --- set-up errors: one paragraph saying what to do ------------------------------------
@@ -365,6 +407,16 @@ def test_bad_devices_and_cidrs_are_refused_naming_the_flag(
     assert "Traceback" not in out.stderr
 
 
+BIND = "import socket,sys; s=socket.socket(); s.bind(('0.0.0.0', int(sys.argv[1])))"
+
+
+def bind_in_pod(lab: Lab, port: int) -> subprocess.CompletedProcess:
+    """bind() to `port` in a pod's network namespace, from the lab's cgroup (kpr's hooks)."""
+    argv = ["nsenter", f"--net=/run/netns/{lab.pods[0].netns}", sys.executable, "-c", BIND]
+    options = lab._client_options({"capture_output": True, "text": True})
+    return subprocess.run([*argv, str(port)], timeout=30, **options)
+
+
 def test_node_ports_answer_on_localhost_and_local_binds_cannot_shadow_them(lab, agent):
     source = agent.log.parent / "manifests"
     svc = kube.service("np", [VIP4], [], type="NodePort")
@@ -374,20 +426,25 @@ def test_node_ports_answer_on_localhost_and_local_binds_cannot_shadow_them(lab, 
     kube.write(
         source, "np.yaml", svc, kube.endpoint_slice("np", [str(lab.pods[1].ipv4)], POD_PORTS)
     )
+    # the agent in the node's network namespace, as the DaemonSet's (hostNetwork) runs
+    agent.args = ["nsenter", f"--net=/run/netns/{lab.node_netns}", *agent.args]
     agent.start()
     agent.wait_synced()
     # localhostNodePorts (kube-proxy's default): processes on the node reach 127.0.0.1:nodePort
     argv = [sys.executable, "-m", "kpr.lab.probe", "tcp", "127.0.0.1", "30080", "--count", "5"]
     results = json.loads(lab.run_client(argv).stdout)["results"]
     assert {r.get("pod") for r in results} == {lab.pods[1].name}, results
-    bind = "import socket,sys; s=socket.socket(); s.bind(('0.0.0.0', int(sys.argv[1])))"
-    taken = lab.run_client([sys.executable, "-c", bind, "30080"])
+    taken = lab.run_client([sys.executable, "-c", BIND, "30080"])
     assert taken.returncode != 0 and "Address already in use" in taken.stderr
-    assert lab.run_client([sys.executable, "-c", bind, "30081"]).returncode == 0
+    assert lab.run_client([sys.executable, "-c", BIND, "30081"]).returncode == 0
+    # a pod (another network namespace, same cgroup hooks) may use the number: a pod's
+    # port 30080 takes nothing from the node's NodePort
+    in_pod = bind_in_pod(lab, 30080)
+    assert in_pod.returncode == 0, in_pod.stderr
     # the Service gone, the port is free again
     (source / "np.yaml").unlink()
     agent.wait_synced(after=time.time())
-    assert lab.run_client([sys.executable, "-c", bind, "30080"]).returncode == 0
+    assert lab.run_client([sys.executable, "-c", BIND, "30080"]).returncode == 0
 
 
 def test_upgrade_to_a_new_map_layout_has_no_moment_without_service(lab, agent):
@@ -414,6 +471,54 @@ def test_upgrade_to_a_new_map_layout_has_no_moment_without_service(lab, agent):
         ["bpftool", "cgroup", "show", str(lab.cgroup)], capture_output=True, text=True
     ).stdout
     assert cgroup_programs.count("kpr_connect4") == 1  # the old program was replaced
+
+
+# The last commit whose service keys and affinity values had a 16-bit slot and padding.
+SIXTEEN_BIT_SLOTS = "dc47974078eb68f6314e676cf571bca02e04f357"
+
+
+def test_upgrade_from_16_bit_slots_keeps_the_pinned_maps_and_serves_throughout(
+    lab, agent, tmp_path
+):
+    """The previous layout's agent (that commit, run from its own tree) pins and serves;
+    the new one reads its maps as they are (the slot's bytes did not change): it finds
+    them equal to what it wants and writes nothing, swaps the programs with no moment
+    without service, and then writes changes into the same maps."""
+    previous = tmp_path / "previous"
+    previous.mkdir()
+    root = Path(__file__).resolve().parents[1]
+    archive = subprocess.run(
+        ["git", "-C", str(root), "archive", SIXTEEN_BIT_SLOTS], capture_output=True
+    )
+    if archive.returncode != 0:
+        pytest.skip(f"the 16-bit slot layout's commit is not in this checkout: {archive.stderr}")
+    subprocess.run(["tar", "-x", "-C", str(previous)], input=archive.stdout, check=True)
+    source = agent.log.parent / "manifests"
+    echo(lab, source)
+    new_args = agent.args
+    # run from the old tree: `python -m` looks in the working directory first
+    agent.args = ["sh", "-c", 'cd "$0" && exec "$@"', str(previous), *new_args]
+    agent.start()
+    agent.wait_synced()
+    assert not (agent.pin_dir / "v1_config").exists()  # (a map that build did not have)
+    before = snapshot_maps(agent.pin_dir)
+    agent.kill(signal.SIGKILL)
+    client = loop_client(lab, 10)  # outlasts the start: compile, first sync, swap
+    time.sleep(0.5)
+    agent.args = new_args
+    agent.start()
+    agent.wait_synced()
+    summary = json.loads(client.communicate(timeout=30)[0])
+    assert summary["errors"] == [] and len(summary["counts"]) == 3, summary
+    log = agent.log.read_text()
+    assert "pinned map replaced" not in log  # the same maps, kept
+    assert "map operations" not in log.split("programs pinned in")[-1]  # read as they were
+    assert snapshot_maps(agent.pin_dir) == before
+    echo(lab, source, pods=(2,))  # slot 1 rewritten, slots 2 and 3 deleted
+    agent.wait_synced(after=time.time())
+    assert {r["pod"] for r in tcp_results(lab, 20)} == {lab.pods[2].name}
+    frontends = {s["frontend"]: s for s in status_json(agent.pin_dir)["services"]}
+    assert frontends[f"{VIP4}:80/TCP"]["backends"] == [f"{lab.pods[2].ipv4}:8080"]
 
 
 def test_changing_map_sizes_swaps_in_new_maps_without_a_moment_without_service(lab, agent):

@@ -63,3 +63,50 @@ def test_another_program_on_kprs_hooks_is_named_and_kprs_own_are_not(pin_dir, cg
         bpfsys.prog_detach(fn.fd, fd, 10)
     finally:
         os.close(fd)
+
+
+def path_without(tmp_path, *tools: str) -> str:
+    """A PATH with every program of this one except `tools`."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for directory in os.environ["PATH"].split(os.pathsep):
+        if not os.path.isdir(directory):
+            continue
+        for name in os.listdir(directory):
+            link = bin_dir / name
+            if name not in tools and not link.exists():
+                link.symlink_to(os.path.join(directory, name))
+    return str(bin_dir)
+
+
+IPTABLES_AND_NFT = (
+    "iptables-save",
+    "ip6tables-save",
+    "iptables-legacy-save",
+    "ip6tables-legacy-save",
+    "nft",
+)
+
+
+def test_a_check_that_cannot_run_says_which_tool_is_missing(tmp_path, monkeypatch):
+    monkeypatch.setenv("PATH", path_without(tmp_path, *IPTABLES_AND_NFT))
+    check = conflicts.check_kube_proxy_rules()
+    assert check.found == []
+    assert [why.split(":")[0] for why in check.not_run] == list(IPTABLES_AND_NFT)
+    assert all("not found in PATH" in why for why in check.not_run), check.not_run
+
+
+DENIED = "cannot open nf_tables: Permission denied"
+
+
+def test_a_tool_that_fails_is_said_with_its_message(tmp_path, monkeypatch):
+    bin_dir = tmp_path / "failing"
+    bin_dir.mkdir()
+    for tool in IPTABLES_AND_NFT:
+        script = bin_dir / tool
+        script.write_text(f"#!/bin/sh\necho '{DENIED}' >&2\nexit 4\n")
+        script.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    check = conflicts.check_kube_proxy_rules()
+    assert f"nft: exited with 4: {DENIED}" in check.not_run
+    assert len(check.not_run) == len(IPTABLES_AND_NFT)

@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import json
 import math
+import subprocess
 import sys
 import time
 from collections import Counter
+from ipaddress import ip_address
 
 import pytest
 
@@ -217,6 +219,21 @@ def test_a_service_id_past_the_slot_block_array_gets_no_block_and_no_error(clust
     assert (written.failed, written.errors) == (set(), [])
 
 
+def test_internal_policy_local_with_endpoints_only_elsewhere_refuses_at_once(cluster):
+    """kube-proxy drops these (the connect times out); a socket hook can only translate or
+    fail the call, so kpr refuses at once, and says so (README: drop versus refuse)."""
+    pods = cluster.lab.pods
+    web = kube.service("local", ["10.96.0.60"], PORTS, internalTrafficPolicy="Local")
+    eps = kube.endpoint_slice("local", [str(pods[0].ipv4)], POD_PORTS)
+    eps["endpoints"][0]["nodeName"] = "node-2"  # the agent is node-1
+    cluster.apply("local.yaml", web, eps)
+    began = time.monotonic()
+    results = cluster.probe("tcp", "10.96.0.60", 80, "--count", 3)
+    assert {r.get("error") for r in results} == {"ECONNREFUSED"}
+    assert time.monotonic() - began < 1.5  # (a drop would take the probe's 2 s per connect)
+    assert cluster.agent.desired.no_local_endpoints[("default", "local")] == (2, 0)
+
+
 def test_the_paired_latency_client_connects_from_each_sides_cgroup(cluster):
     # what `kpr bench` relies on for kpr's ratios: side a (the baseline cgroup) never meets
     # kpr's programs, side b (the lab's cgroup) always does, though one process runs both
@@ -375,3 +392,76 @@ def test_unconnected_udp_keeps_reverse_entries_on_the_socket_and_the_map_does_no
     assert out.returncode == 0, out.stderr
     assert json.loads(out.stdout) == [f"{first}:53", f"{shared}:53", f"{other}:53"] * 3
     assert _sock_revnat_entries(cluster) == before + 1
+
+
+# A pod's server that answers with the address the client reached (its own local address,
+# one of many: the pod takes a whole range, AnyIP) and the client's.
+ADDRESS_SERVER = """
+import socket, sys
+s = socket.socket()
+s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+s.bind(("0.0.0.0", int(sys.argv[1])))
+s.listen(4096)
+print("ready", flush=True)
+while True:
+    c, peer = s.accept()
+    c.sendall(f"{c.getsockname()[0]} {peer[0]}\\n".encode())
+    c.close()
+"""
+
+
+@pytest.fixture
+def many_addresses_pod(lab):
+    """Pod 0 answers on every address of 10.245.0.0/16 (a local route there, and the node
+    routes the range to it), port 9000: one listener stands for thousands of endpoints."""
+    pod = lab.pods[0]
+    ranged = "10.245.0.0/16"
+    in_pod, in_node = ["ip", "-n", pod.netns, "route"], ["ip", "-n", lab.node_netns, "route"]
+    subprocess.run([*in_pod, "add", "local", ranged, "dev", "lo"], check=True)
+    subprocess.run([*in_node, "add", ranged, "via", str(pod.ipv4)], check=True)
+    server = subprocess.Popen(
+        ["nsenter", f"--net=/run/netns/{pod.netns}", sys.executable, "-c", ADDRESS_SERVER, "9000"],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert server.stdout.readline().strip() == "ready"
+        yield [str(ip_address("10.245.0.1") + i) for i in range(65000)]
+    finally:
+        server.kill()
+        server.wait()
+        subprocess.run([*in_node, "del", ranged], check=False)
+        subprocess.run([*in_pod, "del", "local", ranged, "dev", "lo"], check=False)
+
+
+def test_a_service_of_5000_endpoints_serves_all_of_them_and_grows(cluster, many_addresses_pod):
+    """kube-proxy has no endpoint limit. kpr's was 4,096: such a Service was never
+    programmed (ENETUNREACH) and one that grew past it kept its old endpoints."""
+    vip = "10.96.0.50"
+
+    def apply(count: int) -> None:
+        addresses = many_addresses_pod[:count]
+        cluster.apply(
+            "big.yaml",
+            kube.service("big", [vip], [("http", 80, "TCP")]),
+            *[
+                kube.endpoint_slice(
+                    "big", addresses[i : i + 1000], [("http", 9000, "TCP")], name=f"big-{i}"
+                )
+                for i in range(0, count, 1000)
+            ],
+        )
+
+    apply(5000)
+    n = 3000
+    results = cluster.probe("tcp", vip, 80, "--count", n)
+    assert {r.get("error") for r in results} == {None}, Counter(r.get("error") for r in results)
+    reached = Counter(r["pod"] for r in results)  # the address each connect reached
+    assert set(reached) <= set(many_addresses_pod[:5000])
+    # uniform over 5,000: 2,256 distinct addresses expected of 3,000 connects, sd ~ 20
+    assert len(reached) > 2000, len(reached)
+    apply(6000)  # grown: the new 1,000 get their share (500 expected of 3,000)
+    results = cluster.probe("tcp", vip, 80, "--count", n)
+    new = set(many_addresses_pod[5000:6000])
+    assert sum(1 for r in results if r.get("pod") in new) > 300
+    assert {r.get("error") for r in results} == {None}

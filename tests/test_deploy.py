@@ -408,14 +408,15 @@ def test_probes_are_on_the_port_kpr_serves(rendered, daemonset):
     assert split_host_port(proxy.metrics_bind_address) == ("127.0.0.1", PROXY_STATUS_PORT)
     c = container(daemonset)
     assert c["livenessProbe"]["httpGet"] == {"path": "/livez", "port": PROXY_HEALTHZ_PORT}
-    assert c["readinessProbe"]["httpGet"] == {"path": "/healthz", "port": PROXY_HEALTHZ_PORT}
+    # ready once synced since the start: a rollout that cannot sync stops on its first node
+    assert c["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": PROXY_HEALTHZ_PORT}
     assert c["startupProbe"]["httpGet"] == {"path": "/livez", "port": PROXY_HEALTHZ_PORT}
     assert [p["containerPort"] for p in c["ports"]] == [PROXY_HEALTHZ_PORT]
     from kpr.health import HealthServer
 
     source = Path(HealthServer.__module__.replace(".", "/") + ".py")
     text = (ROOT / source).read_text()
-    assert '"/healthz"' in text and '"/livez"' in text
+    assert '"/healthz"' in text and '"/livez"' in text and '"/readyz"' in text
 
 
 # --- RBAC: derived from the requests kpr's API source makes -----------------------------------
@@ -574,8 +575,6 @@ NOT_IN_IMAGE = {
     "linux-headers-amd64": "headers come from the host's /lib/modules and /usr/src",
     "gcc": "only for building on a development host",
     "make": "only for building on a development host",
-    "iptables": "kpr writes no rules; on the host, for removing kube-proxy's",
-    "nftables": "kpr writes no rules; on the host, for removing kube-proxy's",
 }
 
 

@@ -6,7 +6,7 @@ from dataclasses import replace
 from ipaddress import ip_address
 
 from kpr.explain import explain, render
-from kpr.model import MAX_SLOTS, EndpointPort, EndpointSlice, NodeContext, ServicePort
+from kpr.model import EndpointPort, EndpointSlice, NodeContext, ServicePort
 from tests.test_translate import HTTP, endpoint, endpoint_slice, service
 
 NODE = NodeContext(name="node-1", zone="zone-a")
@@ -66,10 +66,9 @@ def test_topology_hints_say_which_zone_they_are_for() -> None:
     }
 
 
-def test_an_over_capacity_frontend_says_it_keeps_what_was_programmed() -> None:
-    many = [endpoint(str(ip_address("10.244.0.0") + i)) for i in range(MAX_SLOTS + 1)]
-    reasons = set(verdicts(service(), [endpoint_slice(*many)]).values())
-    assert len(reasons) == 1 and next(iter(reasons)).startswith("over capacity: 4097 endpoints")
+def test_every_endpoint_of_a_5000_endpoint_service_gets_traffic() -> None:
+    many = [endpoint(str(ip_address("10.244.0.0") + i)) for i in range(5000)]
+    assert set(verdicts(service(), [endpoint_slice(*many)]).values()) == {None}
 
 
 def test_invalid_or_mismatched_slice_ports_are_named() -> None:
@@ -123,3 +122,32 @@ def test_render_shows_frontends_with_the_maps_and_each_endpoint() -> None:
     assert "10.96.0.10:80/TCP" in text and "-> 10.244.1.11:8080" in text
     assert "not ready" in text and "Cluster: no traffic, not ready" in text
     assert HTTP.name in text
+
+
+def test_a_frontend_without_endpoints_here_says_refused_or_dropped_and_why() -> None:
+    """kube-proxy rejects a Service without endpoints and drops a Local-policy one whose
+    endpoints are all elsewhere. kpr's TC path drops too; its socket hooks refuse (they can
+    only fail the call): the frontend says which, and that kube-proxy drops there."""
+    from tests.test_translate import EXTERNAL_NODE, HTTP_NP
+
+    svc = service(
+        ports=(HTTP_NP,),
+        type="NodePort",
+        internal_traffic_policy="Local",
+        external_traffic_policy="Local",
+    )
+    elsewhere = [endpoint_slice(endpoint("10.244.2.11", node_name="node-2"))]
+    said = {
+        f["frontend"]: f.get("no_endpoint")
+        for f in explain(svc, elsewhere, EXTERNAL_NODE)["ports"][0]["frontends"]
+    }
+    assert said["10.96.0.10:80/TCP"].startswith("none here: refused at once (Local policy)")
+    assert "kube-proxy drops" in said["10.96.0.10:80/TCP"]
+    external = [f for f in said if f.endswith("(external)")]
+    assert external and all(said[f].startswith("none here: dropped") for f in external)
+    # a NodePort from the node itself follows Cluster: the remote endpoint serves it
+    assert all(said[f] is None for f in said if f not in external and ":30080/" in f)
+    nothing = explain(svc, [], EXTERNAL_NODE)["ports"][0]["frontends"]
+    assert {f["no_endpoint"].split(" (")[0] for f in nothing} == {"none: refused"}
+    text = render(explain(svc, elsewhere, EXTERNAL_NODE), {"10.96.0.10:80/TCP": []})
+    assert "-> none here: refused at once (Local policy)" in text

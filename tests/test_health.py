@@ -227,6 +227,34 @@ def test_counters_by_code(
     assert count("proxy_livez", "503") == 1
 
 
+def test_readyz_waits_for_the_first_full_sync_then_follows_healthz(
+    server: HealthServer, health: ProxyHealth, clock: FakeClock
+) -> None:
+    # before any sync (an API server that cannot be reached): healthz 200, readyz 503
+    assert status(server, "/healthz") == 200
+    response = get(server, "/readyz")
+    assert response.status == 503
+    assert json.loads(response.body) == {  # type: ignore[attr-defined]
+        "lastUpdated": "0001-01-01 00:00:00 +0000 UTC",
+        "currentTime": "2023-11-14 22:13:20 +0000 UTC",
+        "nodeEligible": True,
+        "synced": False,
+    }
+    health.updated(full=False)  # a partial sync alone is not a sync of the whole state
+    assert status(server, "/readyz") == 503
+    health.updated(full=True)
+    assert status(server, "/readyz") == 200
+    assert json.loads(get(server, "/readyz").body)["synced"] is True  # type: ignore[attr-defined]
+    # then as /healthz: a change stuck past the timeout, or a Node going away
+    health.queued()
+    clock.now += 61
+    assert status(server, "/readyz") == status(server, "/healthz") == 503
+    health.updated()
+    assert status(server, "/readyz") == 200
+    health.set_node_deleting(True)
+    assert status(server, "/readyz") == 503
+
+
 def test_other_paths_are_not_found_and_not_counted(server: HealthServer, metrics: Metrics) -> None:
     for path in ("/", "/healthz/", "/metrics", "/livez/x"):
         assert status(server, path) == 404

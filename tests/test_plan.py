@@ -278,3 +278,46 @@ def test_a_conflict_found_by_partial_syncs_is_one_problem_however_often_it_repea
         agent._translate(Snapshot([service("b")], [], [], changed={("default", "b")}))
     claims = [p for p in agent.desired.problems if "also claimed" in p.message]
     assert len(claims) == 1 and claims[0].ref.name == "b", claims
+
+
+def test_service_ids_of_deleted_frontends_are_reused_and_a_live_ones_never_changes():
+    """Churn through more Services than a service id array holds (the slot blocks are
+    indexed by id, 65,536 of them by default): the ids stay as few as the frontends live
+    at once, and a frontend that lives through it all keeps its id."""
+    from ipaddress import IPv4Address
+
+    maps = MemoryMaps()
+    programmed = maps.read()
+    steady = Frontend(ip_address("10.96.255.1"), 80, "TCP")
+    desired = Translation()
+    desired.frontends[steady] = FrontendState("default/steady", (be(1),))
+    live: list[Frontend] = []
+    created = 0
+
+    def write(touched: set[Frontend]) -> None:
+        steps = plan(programmed, desired, touched)
+        assert not execute(maps, steps).failed
+        apply_plan(programmed, steps)
+
+    write({steady})
+    steady_id = programmed.services[steady].service_id
+    batch = 500
+    while created < 70_000:  # more than the 65,536 ids of the default array
+        new = [Frontend(IPv4Address("10.100.0.0") + created + i, 80, "TCP") for i in range(batch)]
+        for frontend in new:
+            desired.frontends[frontend] = FrontendState("default/churn", (be(2),))
+        gone, live = live, new  # the previous batch goes as this one comes
+        for frontend in gone:
+            del desired.frontends[frontend]
+        write(set(new) | set(gone))
+        created += batch
+        assert programmed.services[steady].service_id == steady_id
+    peak = 1 + 2 * batch  # at most this many frontends held ids at once
+    ids = [s.service_id for s in programmed.services.values()]
+    assert len(set(ids)) == len(ids)  # never two frontends on one id
+    assert max(ids) <= peak < 65_536, max(ids)
+    # what was planned is what the maps hold, also when read back from scratch
+    assert {f: s.service_id for f, s in maps.read().services.items()} == {
+        f: s.service_id for f, s in programmed.services.items()
+    }
+    assert maps.read().free_service_ids == programmed.free_service_ids

@@ -110,3 +110,35 @@ def test_invalid_objects_are_counted_and_skipped_while_others_work(lab, api, age
     eventually(lambda: reached(lab) == pods(lab, 0, 1, 2))
     eventually(lambda: agent.metric('kpr_invalid_objects_total{kind="Service"}') >= 1)
     assert "Service default/bad" in agent.log.read_text()
+
+
+def test_readyz_is_503_until_the_first_sync_while_healthz_is_200_as_kube_proxys(lab, api, agent):
+    """An API server kpr cannot reach: nothing is queued, so /healthz is 200 (kube-proxy's
+    rule), but nothing was ever programmed, so /readyz, the DaemonSet's readinessProbe, is
+    503 and a rolling update stops there. Once the server answers, the first sync makes
+    it 200."""
+    unreachable = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    at = agent.args.index("--master")
+    agent.args[at + 1] = unreachable
+    agent.start()
+
+    def healthz_up() -> bool:
+        try:
+            return agent.get(agent.healthz, "/healthz")[0] == 200
+        except OSError:  # not bound yet: still compiling
+            return False
+
+    eventually(healthz_up, timeout=60)
+    time.sleep(3)  # a few list attempts (and failures) later: still not synced
+    code, body = agent.get(agent.healthz, "/readyz")
+    assert (code, json.loads(body)["synced"]) == (503, False), body
+    assert agent.get(agent.healthz, "/healthz")[0] == 200
+    assert agent.get(agent.healthz, "/livez")[0] == 200
+    agent.kill()
+    # the same agent with the server it can reach: ready after its first sync
+    agent.args[at + 1] = api.url
+    echo(api, lab)
+    agent.start()
+    agent.wait_synced()  # (the run state is saved a moment before health hears of it)
+    eventually(lambda: agent.get(agent.healthz, "/readyz")[0] == 200, timeout=5)
+    assert json.loads(agent.get(agent.healthz, "/readyz")[1])["synced"] is True

@@ -7,12 +7,12 @@ from ipaddress import IPv4Address, IPv6Address, ip_address, ip_network
 from pathlib import Path
 from typing import Any
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kpr.model import (
     EXTERNAL,
-    MAX_SLOTS,
     SOCKET,
     Backend,
     Endpoint,
@@ -451,26 +451,13 @@ def test_cluster_and_local_policies_fall_back_independently() -> None:
 # --- limits -----------------------------------------------------------------------------------
 
 
-def test_more_backends_than_slots_holds_the_frontend_with_a_problem() -> None:
-    many = [endpoint(str(IPv4Address("10.128.0.1") + i)) for i in range(MAX_SLOTS + 1)]
-    small = service(name="small", cluster_ips=("10.96.0.11",))
-    slices = [
-        endpoint_slice(*many[:2000], name="web-1"),
-        endpoint_slice(*many[2000:], name="web-2"),
-        endpoint_slice(endpoint("10.244.1.11"), name="small-1", service_name="small"),
-    ]
-    translation = translate([service(), small], slices, NODE)
-    assert translation.held == {Frontend(VIP, 80, "TCP")}
-    assert set(translation.frontends) == {Frontend(ip_address("10.96.0.11"), 80, "TCP")}
-    (problem,) = translation.problems
-    assert problem.ref == ObjectRef("Service", "default", "web")
-    assert f"{MAX_SLOTS + 1} backends" in problem.message
-
-
-def test_exactly_max_slots_backends_are_served() -> None:
-    many = [endpoint(str(IPv4Address("10.128.0.1") + i)) for i in range(MAX_SLOTS)]
-    translation = translate([service()], [endpoint_slice(*many)], NODE)
-    assert len(translation.frontends[Frontend(VIP, 80, "TCP")].backends) == MAX_SLOTS
+def test_a_service_of_5000_endpoints_is_served_whole() -> None:
+    # kube-proxy has no limit; kpr's was 4,096 (held, never programmed when new)
+    many = [endpoint(str(IPv4Address("10.128.0.1") + i)) for i in range(5000)]
+    slices = [endpoint_slice(*many[:2000], name="a"), endpoint_slice(*many[2000:], name="b")]
+    translation = translate([service()], slices, NODE)
+    assert translation.held == set() and translation.problems == []
+    assert len(translation.frontends[Frontend(VIP, 80, "TCP")].backends) == 5000
 
 
 # --- the example used by the demo -----------------------------------------------------------
@@ -589,7 +576,6 @@ def test_translate_never_raises_and_backends_are_sorted_and_unique(
         assert frontend.protocol in ("TCP", "UDP")
         assert list(state.backends) == sorted(set(state.backends))
         assert all(backend.address.version == frontend.family for backend in state.backends)
-        assert len(state.backends) <= MAX_SLOTS
 
 
 # --- NodePort, LoadBalancer and external IPs ---------------------------------------
@@ -713,6 +699,32 @@ def test_local_policy_without_a_local_endpoint_drops_where_no_endpoint_at_all_re
     assert (state.backends, state.drop) == ((), True)
     state = translate([svc], [], EXTERNAL_NODE).frontends[external]
     assert (state.backends, state.drop) == ((), False)
+
+
+@pytest.mark.parametrize(
+    "serving,terminating,drop",
+    [(True, True, True), (False, True, False), (True, False, False)],
+)
+def test_endpoints_elsewhere_that_only_serve_while_terminating_count_as_endpoints(
+    serving, terminating, drop
+):
+    # kube-proxy's CategorizeEndpoints: under a Local policy a serving, terminating
+    # endpoint anywhere is an endpoint (hasAnyEndpoints), so there being none here drops;
+    # one that is not serving (or not ready and not terminating) counts for nothing
+    svc = service(ports=(HTTP_NP,), type="NodePort", external_traffic_policy="Local")
+    remote = endpoint_slice(
+        endpoint(
+            "10.244.2.11",
+            node_name="node-2",
+            ready=False,
+            serving=serving,
+            terminating=terminating,
+        )
+    )
+    state = translate([svc], [remote], EXTERNAL_NODE).frontends[
+        Frontend(NODE_IP, 30080, "TCP", EXTERNAL)
+    ]
+    assert (state.backends, state.drop) == ((), drop)
 
 
 def test_external_ips_outside_the_allowed_cidrs_are_not_served_and_named():

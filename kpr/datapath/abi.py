@@ -14,7 +14,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ABI_VERSION = 1
-MAX_SLOTS = 4096  # KPR_MAX_SLOTS
 
 BPF_DIR = Path(__file__).resolve().parents[2] / "bpf"
 
@@ -46,8 +45,7 @@ class Service4Key(ct.Structure):
         ("port", ct.c_uint16),
         ("protocol", ct.c_uint8),
         ("scope", ct.c_uint8),
-        ("slot", ct.c_uint16),
-        ("pad2", ct.c_uint16),
+        ("slot", ct.c_uint32),  # was a 16-bit slot and padding: the same bytes below 65,536
     ]
 
 
@@ -57,8 +55,7 @@ class Service6Key(ct.Structure):
         ("port", ct.c_uint16),
         ("protocol", ct.c_uint8),
         ("scope", ct.c_uint8),
-        ("slot", ct.c_uint16),
-        ("pad2", ct.c_uint16),
+        ("slot", ct.c_uint32),
     ]
 
 
@@ -134,8 +131,7 @@ class Affinity(ct.Structure):
     _fields_ = [
         ("last_used_ns", ct.c_uint64),
         ("backend_id", ct.c_uint32),
-        ("slot", ct.c_uint16),
-        ("pad", ct.c_uint16),
+        ("slot", ct.c_uint32),
     ]
 
 
@@ -199,6 +195,10 @@ class SourceRangeKey(ct.Structure):
 
 class NodePortKey(ct.Structure):
     _fields_ = [("port", ct.c_uint16), ("protocol", ct.c_uint8), ("pad", ct.c_uint8)]
+
+
+class Config(ct.Structure):
+    _fields_ = [("node_netns_cookie", ct.c_uint64)]
 
 
 @dataclass(frozen=True)
@@ -285,9 +285,14 @@ MAPS: dict[str, MapSpec] = {
             "KPR_SOURCE_RANGE_MAX",
         ),
         _spec("kpr_node_ports", BPF_MAP_TYPE_HASH, NodePortKey, ct.c_uint8, 65536),
+        _spec("kpr_config", BPF_MAP_TYPE_ARRAY, ct.c_uint32, Config, 1),
     )
 }
 
+
+# Maps added to this ABI version after its first release: a pin directory of an older
+# build lacks them until the agent of this one compiles (and so creates) them.
+ADDED_MAPS = {"kpr_config"}
 
 # socket local storage (kpr_sock_peer): no entries to read or size, but pinned like the rest
 SOCK_PEER_PIN = f"v{ABI_VERSION}_sock_peer"
@@ -354,8 +359,8 @@ class MapSizes:
 
 # struct-module formats of the same layouts, for packing many entries fast
 # (tests/test_abi.py checks each against its ctypes mirror).
-SERVICE4_KEY = struct.Struct("<4sHBBHxx")  # address, port, protocol, scope, slot
-SERVICE6_KEY = struct.Struct("<16sHBBHxx")
+SERVICE4_KEY = struct.Struct("<4sHBBI")  # address, port, protocol, scope, slot
+SERVICE6_KEY = struct.Struct("<16sHBBI")
 SERVICE_VALUE = struct.Struct("<IIIIIxxxx")  # backend_id, count, service_id, flags, affinity
 BACKEND4 = struct.Struct("<4sHxx")  # address, port; also struct kpr_revnat4
 BACKEND6 = struct.Struct("<16sHxx")
@@ -364,3 +369,4 @@ SLOT_BLOCK = struct.Struct(f"<{BLOCK_SLOTS}I")  # struct kpr_slot_block
 DEVICE = struct.Struct("<4s16sxxxx")  # address4, address6
 SOURCE_RANGE_KEY = struct.Struct("<II16s")  # prefixlen, service_id, address
 NODE_PORT_KEY = struct.Struct("<HBx")  # port, protocol
+CONFIG = struct.Struct("<Q")  # struct kpr_config: node_netns_cookie

@@ -22,7 +22,7 @@ from typing import NamedTuple, Protocol
 
 from kpr.datapath import abi, bpfsys
 from kpr.datapath.plan import Master, Plan, ProgrammedService, ProgrammedState, SourceRange
-from kpr.model import MAX_SLOTS, Backend, Frontend, by_key
+from kpr.model import Backend, Frontend, by_key
 
 log = logging.getLogger(__name__)
 
@@ -334,15 +334,25 @@ class _Packed:
 # the other (a thread would cost more than it saves)
 _CONCURRENT = 1000
 
-# A service key ends with the slot and padding: a frontend's keys share everything
-# before it (its prefix), packed once, and each slot's tail is packed once, here.
-_SLOT_TAIL = struct.Struct("<Hxx")
-assert abi.SERVICE4_KEY.format.endswith("Hxx") and abi.SERVICE6_KEY.format.endswith("Hxx")
-_SLOT_TAILS = [_SLOT_TAIL.pack(slot) for slot in range(MAX_SLOTS + 1)]
+# A service key ends with the slot: a frontend's keys share everything before it (its
+# prefix), packed once, and each slot's tail is packed once, here (up to the largest
+# frontend's count so far).
+_SLOT_TAIL = struct.Struct("<I")
+assert abi.SERVICE4_KEY.format.endswith("I") and abi.SERVICE6_KEY.format.endswith("I")
+_SLOT_TAILS = [_SLOT_TAIL.pack(slot) for slot in range(1024)]
+
+
+def _slot_tails(top: int) -> list[bytes]:
+    """The packed tails of slots 0..top (at least)."""
+    if top >= len(_SLOT_TAILS):
+        _SLOT_TAILS.extend(_SLOT_TAIL.pack(slot) for slot in range(len(_SLOT_TAILS), top + 1))
+    return _SLOT_TAILS
+
+
 # by the address's class, and int(): .version and .packed cost a Python call more each
 _SERVICE_PREFIXES = {
-    IPv4Address: ("kpr_services4", 4, struct.Struct(abi.SERVICE4_KEY.format[:-3]).pack),
-    IPv6Address: ("kpr_services6", 16, struct.Struct(abi.SERVICE6_KEY.format[:-3]).pack),
+    IPv4Address: ("kpr_services4", 4, struct.Struct(abi.SERVICE4_KEY.format[:-1]).pack),
+    IPv6Address: ("kpr_services6", 16, struct.Struct(abi.SERVICE6_KEY.format[:-1]).pack),
 }
 # A slot's value is a backend id and zeros.
 _SLOT_VALUE = struct.Struct(f"<I{abi.SERVICE_VALUE.size - 4}x")
@@ -358,8 +368,9 @@ def _key_prefix(frontend: Frontend) -> tuple[str, bytes]:
 
 def _pack_slots(entries: Slots) -> dict[str, _Packed]:
     out: dict[str, _Packed] = defaultdict(_Packed)
-    tails, pack_value = _SLOT_TAILS, _SLOT_VALUE.pack
+    pack_value = _SLOT_VALUE.pack
     for frontend, slots in entries.items():
+        tails = _slot_tails(max(slots, default=0))
         name, prefix = _key_prefix(frontend)
         batch = out[name]
         keys, values, labels = batch.keys, batch.values, batch.labels
@@ -395,7 +406,7 @@ def _pack_service_keys(keys: Iterable[ServiceKey]) -> dict[str, _Packed]:
             prefix = prefixes[frontend] = _key_prefix(frontend)
         batch = out[prefix[0]]
         batch.keys += prefix[1]
-        batch.keys += _SLOT_TAIL.pack(slot)  # a stray slot read back may be above MAX_SLOTS
+        batch.keys += _SLOT_TAIL.pack(slot)  # a stray slot read back may be of any number
         batch.labels.append(key)
     return out
 
@@ -447,6 +458,8 @@ class BpfMaps:
         self.maps: dict[str, bpfsys.PinnedMap] = {}
         for spec in abi.MAPS.values():
             path = pin_dir / spec.pin
+            if spec.name in abi.ADDED_MAPS and not path.exists():
+                continue  # pinned by a build before it (`kpr status` of a running older agent)
             self.maps[spec.name] = bpfsys.PinnedMap.open(path, spec.key, spec.value)
         # held open so a pin removed behind kpr's back can be put back (`repin`)
         self.sock_peer_fd = bpfsys.obj_get(pin_dir / abi.SOCK_PEER_PIN)
@@ -459,7 +472,7 @@ class BpfMaps:
     def repin(self) -> list[str]:
         """Pin again every map whose pin is gone (the maps live on: kpr holds them)."""
         self.pin_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
-        fds = {spec.pin: self.maps[name].fd for name, spec in abi.MAPS.items()}
+        fds = {spec.pin: self.maps[name].fd for name, spec in abi.MAPS.items() if name in self.maps}
         fds[abi.SOCK_PEER_PIN] = self.sock_peer_fd
         restored = []
         for pin, fd in fds.items():
@@ -590,6 +603,11 @@ class BpfMaps:
     def delete_backends(self, entries: dict[int, Backend]) -> None:
         self._delete(_pack_addresses("backends", entries))
 
+    def write_node_netns(self, cookie: int) -> None:
+        """The node's network namespace (its cookie; 0: unknown), where bind() to a NodePort
+        number is refused (struct kpr_config)."""
+        self.maps["kpr_config"].update_packed(abi.ID.pack(0), abi.CONFIG.pack(cookie))
+
     def sync_node_ports(self, wanted: set[tuple[int, str]]) -> None:
         """Make kpr_node_ports hold exactly these (port, protocol) pairs."""
         pinned = self.maps["kpr_node_ports"]
@@ -646,7 +664,9 @@ class BpfMaps:
         """Entries used and max_entries per map."""
         out = {}
         for name, spec in abi.MAPS.items():
-            pinned = self.maps[name]
+            pinned = self.maps.get(name)
+            if pinned is None:
+                continue
             # an array has every index: it never fills (the ring is reused by design, and
             # slot blocks are bounded by service ids, i.e. by the revnat maps)
             if spec.map_type in (abi.BPF_MAP_TYPE_ARRAY, abi.BPF_MAP_TYPE_PERCPU_ARRAY):

@@ -16,6 +16,7 @@ backends that exist.
 
 from __future__ import annotations
 
+import bisect
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import NamedTuple
@@ -58,13 +59,27 @@ class ProgrammedState:
     refs: Counter[int] = field(default_factory=Counter)  # slots naming each backend
     max_backend_id: int = 0
     max_service_id: int = 0
+    # ids up to max_service_id that nothing uses (no master, reverse entry or source
+    # range), in order: a new frontend takes the lowest, so ids stay as few as the
+    # frontends, within the slot block array (whose size is the revnat maps')
+    free_service_ids: list[int] = field(default_factory=list)
+
+    def service_ids_in_use(self) -> set[int]:
+        return (
+            {s.service_id for s in self.services.values()}
+            | set(self.revnat)
+            | set(self.source_ranges)
+        )
 
     def reindex(self) -> ProgrammedState:
         self.backend_index = {backend: bid for bid, backend in self.backends.items()}
         self.refs = Counter(b for s in self.services.values() for b in s.slots)
         self.max_backend_id = max(self.backends, default=0)
-        ids = {s.service_id for s in self.services.values()} | set(self.revnat)
+        ids = self.service_ids_in_use()
         self.max_service_id = max(ids, default=0)
+        # (bounded: a map written by hand may hold any id, and a few free ones suffice)
+        below = min(self.max_service_id, len(ids) + 65536)
+        self.free_service_ids = [i for i in range(1, below) if i not in ids]
         return self
 
 
@@ -95,6 +110,8 @@ class Plan:
     after: dict[Frontend, ProgrammedService] = field(default_factory=dict)
     # the new backends' ids, for the backend index (not a write: backend_writes are)
     backend_ids: dict[Backend, int] = field(default_factory=dict)
+    # how many of ProgrammedState.free_service_ids the new frontends took (not a write)
+    reused_service_ids: int = 0
 
     def is_empty(self) -> bool:
         return self.writes() == 0
@@ -102,7 +119,7 @@ class Plan:
     def writes(self) -> int:
         """Map operations this plan makes."""
         slots = sum(len(s) for s in self.slot_writes.values())
-        skip = ("slot_writes", "old_counts", "after", "backend_ids")
+        skip = ("slot_writes", "old_counts", "after", "backend_ids", "reused_service_ids")
         return slots + sum(len(v) for k, v in vars(self).items() if k not in skip)
 
 
@@ -145,7 +162,19 @@ def plan(
             f for f in touched if f in programmed.services and f not in desired and f not in held
         ]
 
+    # new frontends take the free ids first, then those after the highest in use; an id
+    # this plan frees is reused by a later plan only (this one deletes its entries last)
+    free_ids = programmed.free_service_ids
     next_service_id = programmed.max_service_id
+
+    def new_service_id() -> int:
+        nonlocal next_service_id
+        if out.reused_service_ids < len(free_ids):
+            out.reused_service_ids += 1
+            return free_ids[out.reused_service_ids - 1]
+        next_service_id += 1
+        return next_service_id
+
     # new backends get the ids after the highest in use, in order of first use
     new_backends: dict[Backend, int] = {}
     first_new_id = programmed.max_backend_id + 1
@@ -163,19 +192,19 @@ def plan(
         current = programmed.services.get(frontend)
         flags = flags_of(state)
         if current is None:  # the common case of a first sync: every slot is new
-            next_service_id += 1
+            service_id = new_service_id()
             added.extend(wanted)
             if wanted:
                 out.slot_writes[frontend] = dict(enumerate(wanted, start=1))
-            out.revnat_writes[next_service_id] = frontend
+            out.revnat_writes[service_id] = frontend
             for network in state.source_ranges:
-                out.range_writes[(next_service_id, network)] = frontend
+                out.range_writes[(service_id, network)] = frontend
             out.master_writes.append(
-                Master(frontend, len(wanted), next_service_id, state.affinity_timeout, flags)
+                Master(frontend, len(wanted), service_id, state.affinity_timeout, flags)
             )
             out.old_counts[frontend] = 0
             out.after[frontend] = ProgrammedService(
-                next_service_id, wanted, state.affinity_timeout, flags
+                service_id, wanted, state.affinity_timeout, flags
             )
             continue
         service_id = current.service_id
@@ -273,11 +302,14 @@ def apply_plan(programmed: ProgrammedState, steps: Plan) -> None:
     programmed.refs.update(added)
     programmed.refs.subtract(Counter(removed))
     programmed.revnat.update(steps.revnat_writes)
+    del programmed.free_service_ids[: steps.reused_service_ids]
     programmed.max_service_id = max(programmed.max_service_id, *steps.revnat_writes, 0)
+    released = set(steps.revnat_deletes)
     for frontend in steps.master_deletes:
         gone = programmed.services.pop(frontend, None)
         if gone:
             programmed.refs.subtract(gone.slots)
+            released.add(gone.service_id)
     programmed.stray_slots.difference_update(steps.slot_deletes)
     ranges = programmed.source_ranges
     for sid, network in steps.range_writes:
@@ -289,6 +321,12 @@ def apply_plan(programmed: ProgrammedState, steps: Plan) -> None:
             ranges[sid] = ranges[sid] - {network}
     for sid in steps.revnat_deletes:
         programmed.revnat.pop(sid, None)
+    if released:
+        # (a master left without its reverse entry, or the reverse, keeps its id in use)
+        in_use = programmed.service_ids_in_use()
+        for sid in released - in_use:
+            if sid <= programmed.max_service_id:
+                bisect.insort(programmed.free_service_ids, sid)
     for bid in steps.backend_deletes:
         backend = programmed.backends.pop(bid, None)
         programmed.backend_index.pop(backend, None)
