@@ -25,10 +25,10 @@ import yaml
 
 from kpr.lab.kube import build
 from kpr.lab.kube.controlplane import ControlPlane, stop_recorded
+from kpr.lab.kube.images import KPR_IMAGE, build_images
 from kpr.lab.kube.node import Node, remove
 
 REPO = Path(__file__).resolve().parents[3]
-KPR_IMAGE = "localhost/kpr:0.1.0"
 KPR_CONTAINER = "/spec/template/spec/containers/0"
 PROXIES = ("kpr", "kube-proxy-iptables", "none")
 READY_TIMEOUT_S = 300.0
@@ -143,11 +143,10 @@ class RealCluster:
         self.stop()
 
     def start(self) -> None:
-        from kpr.lab.kube.images import build_images  # the image build is its own module
-
         self.directory.mkdir(parents=True, exist_ok=True)
         try:
             images = build_images()
+            pause = next(reference for reference in images if "/pause:" in reference)
             names = [f"node-{i}" for i in range(1, self.nodes + 1)]
             self.plane = ControlPlane(
                 self.bin_dir,
@@ -162,7 +161,7 @@ class RealCluster:
             self.plane.start()
             self._write_kubeconfigs()
             for index, name in enumerate(names, start=1):
-                node = Node(self.plane, self.bin_dir, self.directory / name, index, name)
+                node = Node(self.plane, self.bin_dir, self.directory / name, index, name, pause)
                 self.members.append(node)
                 self._save_state()
                 node.start(images=list(images.values()))

@@ -34,7 +34,6 @@ from kpr.host import cgroup2_root
 from kpr.lab.kube.controlplane import CLUSTER_DOMAIN, ControlPlane, _stop_process
 from kpr.lab.netns import _delete_netns, _ip_batch, _netns_names, _remove_cgroup, _run
 
-SANDBOX_IMAGE = "registry.k8s.io/pause:3.10.1"  # what the e2e framework and kubelet 1.34 use
 CNI_BIN_DIR = "/usr/lib/cni"  # Debian's containernetworking-plugins
 CLUSTER_DNS = "10.96.0.10"
 NODE_NET = "10.250.0."
@@ -66,6 +65,7 @@ class Node:
     directory: Path
     index: int
     name: str = ""
+    sandbox_image: str = "registry.k8s.io/pause:3.10.1"  # kpr.lab.kube.images names the real one
     processes: dict[str, subprocess.Popen] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -272,7 +272,7 @@ disabled_plugins = ["io.containerd.snapshotter.v1.aufs", "io.containerd.snapshot
 [grpc]
   address = "/run/containerd/containerd.sock"
 [plugins."io.containerd.grpc.v1.cri"]
-  sandbox_image = "{SANDBOX_IMAGE}"
+  sandbox_image = "{self.sandbox_image}"
   # Lowering a process's oom_score_adj needs CAP_SYS_RESOURCE, which a lab machine's root may
   # lack: clamp to containerd's own (kubelet asks -998 for sandboxes).
   restrict_oom_score_adj = true
