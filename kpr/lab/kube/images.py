@@ -107,12 +107,14 @@ def build_images(names: Iterable[str] | None = None, log=sys.stderr) -> dict[str
     root = images_root()
     archives_dir().mkdir(parents=True, exist_ok=True)
     references = {"kpr": KPR_IMAGE}
+    kubernetes_source = None
     if set(wanted) - {"kpr"}:
-        references |= e2e_references(build.kubernetes_source())
+        kubernetes_source = build.kubernetes_source()
+        references |= e2e_references(kubernetes_source)
     with open(root / ".lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # one build per cache; the second reuses its archives
         with tempfile.TemporaryDirectory(dir=root, prefix=".build-") as scratch:
-            builder = _Builder(root, Path(scratch), log)
+            builder = _Builder(root, Path(scratch), kubernetes_source, log)
             built = {
                 references[name]: builder.image(name, references[name])
                 for name in NAMES
@@ -146,9 +148,10 @@ def import_images(ctr_address: str, archives: list[Path]) -> None:
 class _Builder:
     """One build_images() call: a private buildah run root, the base image built at most once."""
 
-    def __init__(self, root: Path, scratch: Path, log) -> None:
+    def __init__(self, root: Path, scratch: Path, kubernetes_source: Path | None, log) -> None:
         self.root = root
         self.scratch = scratch
+        self.kubernetes_source = kubernetes_source  # None when only kpr is built
         self.log = log
         self.base_ready = False
         self.built_any = False
@@ -220,7 +223,8 @@ class _Builder:
     def _bud_options(self) -> list[str]:
         # No registry: FROM names only images in the local store. chroot isolation runs RUN
         # steps on the host's network (apt and pip reach their mirrors) and needs no runc setup.
-        return ["--pull=never", "--isolation", "chroot", "--network", "host"]
+        # --force-rm: a failed build leaves no container in the store.
+        return ["--pull=never", "--force-rm", "--isolation", "chroot", "--network", "host"]
 
     def _pip_trust(self) -> list[str]:
         """pip inside the build trusts this machine's CA bundle, mounted for the build only.
@@ -241,8 +245,9 @@ class _Builder:
 
     def _prepare_context(self, name: str, reference: str, context: Path) -> None:
         shutil.copytree(CONTAINERFILES / name, context)
+        assert self.kubernetes_source is not None
         if name == "pause":
-            source = build.kubernetes_source() / "build" / "pause" / "linux" / "pause.c"
+            source = self.kubernetes_source / "build" / "pause" / "linux" / "pause.c"
             version = "v" + reference.rsplit(":", 1)[1]
             # build/pause/Makefile's flags; the version names this build, not a git revision.
             _run(
@@ -272,7 +277,7 @@ class _Builder:
                 )
             shutil.copy2(binaries / "agnhost", context / "agnhost")
             _require_static(context / "agnhost")
-            porter = build.kubernetes_source() / "test" / "images" / "agnhost" / "porter"
+            porter = self.kubernetes_source / "test" / "images" / "agnhost" / "porter"
             for key in ("localhost.crt", "localhost.key"):
                 shutil.copyfile(porter / key, context / key)
 
