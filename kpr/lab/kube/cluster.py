@@ -120,6 +120,8 @@ class RealCluster:
     plane: ControlPlane | None = None
     members: list[Node] = field(default_factory=list)
     kube_proxies: dict[str, subprocess.Popen] = field(default_factory=dict)
+    images: dict[str, Path] = field(default_factory=dict)  # reference -> archive, on every node
+    kpr_image: str = KPR_IMAGE
 
     def __post_init__(self) -> None:
         if self.proxy not in PROXIES:
@@ -145,7 +147,7 @@ class RealCluster:
     def start(self) -> None:
         self.directory.mkdir(parents=True, exist_ok=True)
         try:
-            images = build_images()
+            self.images = images = build_images()
             pause = next(reference for reference in images if "/pause:" in reference)
             names = [f"node-{i}" for i in range(1, self.nodes + 1)]
             self.plane = ControlPlane(
@@ -192,9 +194,24 @@ class RealCluster:
             raise RuntimeError(f"kubectl {' '.join(args)}: {done.stderr.strip()}")
         return done.stdout
 
+    def kubectl_apply(self, objects: list[dict]) -> str:
+        """`kubectl apply -f -` of these objects."""
+        done = subprocess.run(
+            [str(self.bin_dir / "kubectl"), f"--kubeconfig={self.kubeconfig}", "apply", "-f", "-"],
+            input=yaml.safe_dump_all(objects),
+            capture_output=True,
+            text=True,
+            check=False,
+            timeout=120,
+        )
+        if done.returncode != 0:
+            raise RuntimeError(f"kubectl apply: {done.stderr.strip()}")
+        return done.stdout
+
     def install_kpr(self, image: str = KPR_IMAGE) -> None:
         """`kubectl apply -k` of the lab overlay; wait until every node's kpr pod is Ready."""
         assert self.plane is not None
+        self.kpr_image = image
         path = overlay(self.directory / "overlay", self.plane.advertised_url, image)
         self.kubectl("apply", "-k", str(path))
         self.kubectl(
