@@ -9,15 +9,14 @@ plugin would stop CoreDNS for), so a name outside cluster.local is answered SERV
 and the Service has no `resourceVersion: "0"` (kubeadm's own update path needs it; with
 `kubectl apply` it would make every later apply a conflict).
 
-The image is the one kubeadm names (registry.k8s.io/coredns/coredns:<kubeadm's CoreDNSVersion>)
-holding the coredns binary that `python -m kpr.lab.kube build` builds at the version
-upstream/coredns/go.mod pins (the same one): `image_context` makes its build context.
+The image is the one kubeadm names (registry.k8s.io/coredns/coredns:<kubeadm's CoreDNSVersion>,
+`image_reference()`): containerfiles/coredns/Containerfile around the static coredns binary that
+`python -m kpr.lab.kube build` builds at the version upstream/coredns/go.mod pins (the same).
 """
 
 from __future__ import annotations
 
 import random
-import shutil
 import socket
 import struct
 import tempfile
@@ -72,14 +71,6 @@ def version() -> str:
 def image_reference() -> str:
     """The reference kubeadm gives CoreDNS (images.GetDNSImage with the default repository)."""
     return f"registry.k8s.io/coredns/coredns:{version()}"
-
-
-def image_context(context: Path, bin_dir: Path) -> None:
-    """Fill `context` for a build of `image_reference()`: CONTAINERFILE and the static coredns
-    binary `kpr.lab.kube build` put in `bin_dir`."""
-    context.mkdir(parents=True, exist_ok=True)
-    shutil.copyfile(CONTAINERFILE, context / "Containerfile")
-    shutil.copy2(bin_dir / "coredns", context / "coredns")
 
 
 def manifests(image: str) -> list[dict]:
