@@ -2,12 +2,10 @@
 
 The objects are kubeadm's (cmd/kubeadm/app/phases/addons/dns/manifests.go of the Kubernetes
 version the lab pins), with the values the lab's kubelets are given: the `kube-dns` Service at
-clusterDNS (10.96.0.10) and the cluster.local domain. Two changes, both because the lab has no
-DNS outside the cluster: the Corefile has no `forward . /etc/resolv.conf` (the nodes'
-resolv.conf names 10.96.0.10, CoreDNS itself: forwarding there is the loop kubeadm's `loop`
-plugin would stop CoreDNS for), so a name outside cluster.local is answered SERVFAIL at once;
-and the Service has no `resourceVersion: "0"` (kubeadm's own update path needs it; with
-`kubectl apply` it would make every later apply a conflict).
+clusterDNS (10.96.0.10) and the cluster.local domain. One change, because the lab has no DNS
+outside the cluster: the Corefile has no `forward . /etc/resolv.conf` (the nodes' resolv.conf
+names 10.96.0.10, CoreDNS itself: forwarding there is the loop kubeadm's `loop` plugin would
+stop CoreDNS for), so a name outside cluster.local is answered SERVFAIL at once.
 
 The image is the one kubeadm names (registry.k8s.io/coredns/coredns:<kubeadm's CoreDNSVersion>,
 `image_reference()`): containerfiles/coredns/Containerfile around the static coredns binary that
@@ -215,6 +213,8 @@ def manifests(image: str) -> list[dict]:
                 "name": SERVICE,
                 "namespace": NAMESPACE,
                 "annotations": {"prometheus.io/port": "9153", "prometheus.io/scrape": "true"},
+                # kubeadm's, for its updates; `kubectl apply` creates and updates with it too.
+                "resourceVersion": "0",
             },
             "spec": {"clusterIP": CLUSTER_DNS, "ports": ports, "selector": labels},
         },
