@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from kpr.lab.kube import build, images
+from kpr.lab.kube import build, dns, images
 
 IDS = itertools.count()
 
@@ -52,12 +52,16 @@ class Built:
 def built() -> Built:
     """Every image, built once per session (minutes cold, a second from the cache)."""
     _skip_unless_able_to_build()
-    names = [name for name in images.NAMES if name != "agnhost" or build.cached()]
+    names = [n for n in images.NAMES if n not in ("agnhost", "coredns") or build.cached()]
     started = time.monotonic()
     archives = images.build_images(names)
     seconds = time.monotonic() - started
     print(f"\nbuild_images({len(names)} images): {seconds:.1f} s", file=sys.stderr)
-    references = {"kpr": images.KPR_IMAGE, **images.e2e_references(build.kubernetes_source())}
+    references = {
+        "kpr": images.KPR_IMAGE,
+        "coredns": dns.image_reference(),
+        **images.e2e_references(build.kubernetes_source()),
+    }
     return Built(references, archives, seconds)
 
 
@@ -218,6 +222,15 @@ def test_web_server_images_serve_on_port_80(containerd, built, name):
 def test_jessie_dnsutils_has_dig(containerd, built):
     done = containerd.run(built.reference("jessie-dnsutils"), "dig", "-v")
     assert done.returncode == 0 and "DiG 9." in done.stdout + done.stderr, done.stderr
+
+
+def test_coredns_image_runs_coredns_as_its_entrypoint(containerd, built):
+    reference = built.reference("coredns")
+    done = containerd.run(reference, "/coredns", "-version")
+    assert done.returncode == 0 and done.stdout.startswith("CoreDNS-"), done.stderr
+    name = containerd.start(reference)  # the entrypoint, no Corefile: CoreDNS's default server
+    time.sleep(1)
+    assert task_status(containerd, name) == "RUNNING"
 
 
 def test_kpr_image_runs_the_kpr_cli(containerd, built):

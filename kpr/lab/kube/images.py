@@ -32,7 +32,7 @@ import time
 from collections.abc import Iterable
 from pathlib import Path
 
-from kpr.lab.kube import build
+from kpr.lab.kube import build, dns
 
 CONTAINERFILES = Path(__file__).resolve().parent / "containerfiles"
 REPO = Path(__file__).resolve().parents[3]
@@ -52,7 +52,7 @@ E2E_IMAGES = {
     "nginx": "Nginx",
     "jessie-dnsutils": "JessieDnsutils",
 }
-NAMES = (*E2E_IMAGES, "kpr")
+NAMES = (*E2E_IMAGES, "coredns", "kpr")  # coredns: the cluster DNS (kpr.lab.kube.dns)
 # Debian packages the builds run (the command each provides, to see whether it is there).
 TOOLS = {
     "buildah": "buildah",
@@ -106,7 +106,7 @@ def build_images(names: Iterable[str] | None = None, log=sys.stderr) -> dict[str
     _require_packages(TOOLS)
     root = images_root()
     archives_dir().mkdir(parents=True, exist_ok=True)
-    references = {"kpr": KPR_IMAGE}
+    references = {"kpr": KPR_IMAGE, "coredns": dns.image_reference()}
     kubernetes_source = None
     if set(wanted) - {"kpr"}:
         kubernetes_source = build.kubernetes_source()
@@ -280,6 +280,14 @@ class _Builder:
             porter = self.kubernetes_source / "test" / "images" / "agnhost" / "porter"
             for key in ("localhost.crt", "localhost.key"):
                 shutil.copyfile(porter / key, context / key)
+        elif name == "coredns":
+            binaries = build.cached()
+            if binaries is None:
+                raise InputsMissing(
+                    "the lab's coredns is not built: run `python -m kpr.lab.kube build` first"
+                )
+            shutil.copy2(binaries / "coredns", context / "coredns")
+            _require_static(context / "coredns")
 
     def _ensure_base(self) -> None:
         """docker.io/library/debian:bookworm-slim in buildah's store, made with debootstrap."""
