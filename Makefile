@@ -17,6 +17,9 @@ demo: setup
 
 test: setup
 	command -v shellcheck >/dev/null && command -v ruby >/dev/null && command -v openssl >/dev/null || { apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends shellcheck ruby openssl; }
+	# The real-node lab: containerd, runc and the CNI plugins on each node; buildah and
+	# debootstrap build its images (no registry); busybox-static and libc6-dev go into them.
+	dpkg -s containerd runc containernetworking-plugins buildah debootstrap busybox-static libc6-dev curl >/dev/null 2>&1 || { apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends containerd runc containernetworking-plugins buildah debootstrap busybox-static libc6-dev curl; }
 	# The real Kubernetes components the lab tests run (cached outside the clone; without Go
 	# it says so, and those tests skip with the reason).
 	$(PYTHON) -m kpr.lab.kube build --if-go

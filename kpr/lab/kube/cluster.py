@@ -18,12 +18,13 @@ import os
 import signal
 import subprocess
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import yaml
 
-from kpr.lab.kube import build
+from kpr.lab.kube import build, dns
 from kpr.lab.kube.controlplane import ControlPlane, stop_recorded
 from kpr.lab.kube.images import KPR_IMAGE, build_images
 from kpr.lab.kube.node import Node, remove
@@ -162,11 +163,15 @@ class RealCluster:
             )
             self.plane.start()
             self._write_kubeconfigs()
-            for index, name in enumerate(names, start=1):
-                node = Node(self.plane, self.bin_dir, self.directory / name, index, name, pause)
-                self.members.append(node)
-                self._save_state()
-                node.start(images=list(images.values()))
+            self.members = [
+                Node(self.plane, self.bin_dir, self.directory / name, index, name, pause)
+                for index, name in enumerate(names, start=1)
+            ]
+            self._save_state()
+            # Side by side: most of a node's start is importing the images into its containerd.
+            with ThreadPoolExecutor(len(self.members)) as pool:
+                for started in [pool.submit(n.start, list(images.values())) for n in self.members]:
+                    started.result()
             for node in self.members:
                 for other in self.members:
                     if other is not node:
@@ -178,6 +183,8 @@ class RealCluster:
                 self.install_kpr()
             elif self.proxy.startswith("kube-proxy"):
                 self.start_kube_proxies(self.proxy.removeprefix("kube-proxy-"))
+            if self.proxy != "none":  # CoreDNS reaches the API server through its Service
+                dns.install(self.kubectl)
         except BaseException:
             self.stop()
             raise
