@@ -155,11 +155,12 @@ class Agent:
             # map is made and filled; the old one serves until the programs are swapped
             log.warning("pinned map replaced: %s", change)
         # chosen here, once: the loader children inherit BCC_KERNEL_SOURCE from this process
-        self.kernel_headers = host.require_kernel_headers()
-        log.info("kernel headers: %s", self.kernel_headers)
-        loader.load(cfg.pin_dir, cgroup, cfg.sizes, attach=False)
-        if cfg.devices:
-            tc.load(cfg.pin_dir, cfg.sizes, [])  # compiled and pinned; attached with the rest
+        with host.kernel_headers() as headers:
+            self.kernel_headers = headers
+            log.info("kernel headers: %s", headers)
+            loader.load(cfg.pin_dir, cgroup, cfg.sizes, attach=False)
+            if cfg.devices:
+                tc.load(cfg.pin_dir, cfg.sizes, [])  # compiled and pinned; attached later
         # the address a remote backend sees for masqueraded flows, before any TC program runs
         tc.write_devices(cfg.pin_dir, {d.index: (d.first(4), d.first(6)) for d in cfg.devices})
         self.maps = BpfMaps(cfg.pin_dir)

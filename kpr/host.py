@@ -6,12 +6,15 @@ what to do, in one paragraph, instead of a stack trace from deep below.
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import os
 import re
 import shutil
 import subprocess
 import tarfile
 import tempfile
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -206,33 +209,23 @@ def find_kernel_headers(
 
 
 def extract_kheaders(archive: Path, release: str, extract_to: Path | None = None) -> Path:
-    """The kernel's own headers (kheaders.tar.xz) unpacked once per boot under /run/kpr,
-    root's alone (BCC's own copy goes to a /tmp directory anyone could have made first)."""
-    from kpr import runstate
-
-    parent = extract_to or runstate.RUN_DIR
-    target = parent / f"kheaders-{release}"
-    if (target / KCONFIG_H).is_file():
-        return target
-    parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-    unpacking = Path(tempfile.mkdtemp(dir=parent, prefix=f".{target.name}-"))
+    """The kernel's own headers (kheaders.tar.xz) unpacked into a new directory of root's
+    alone (BCC's own copy goes to a /tmp/kheaders-<release> anyone could have made first),
+    removed when this process exits if not before (`kernel_headers` does, once loaded)."""
+    target = Path(tempfile.mkdtemp(prefix=f"kpr-kheaders-{release}-", dir=extract_to))
+    atexit.register(shutil.rmtree, target, ignore_errors=True)
     try:
         with tarfile.open(archive, "r:xz") as tar:
             if hasattr(tarfile, "data_filter"):
-                tar.extractall(unpacking, filter="data")
+                tar.extractall(target, filter="data")
             else:  # Python < 3.11.4: the archive is the kernel's own
-                tar.extractall(unpacking)
-        os.rename(unpacking, target)
-    except OSError as err:
-        shutil.rmtree(unpacking, ignore_errors=True)
-        if (target / KCONFIG_H).is_file():  # another kpr unpacked it meanwhile
-            return target
+                tar.extractall(target)
+    except (OSError, tarfile.TarError) as err:
+        shutil.rmtree(target, ignore_errors=True)
         raise SetupError(
-            f"Could not unpack the kernel's headers {archive} into {target}: {err}."
+            f"Could not unpack the kernel's headers {archive} into {target}: {err}. Set "
+            f"TMPDIR to a directory with room, or BCC_KERNEL_SOURCE to a kernel headers tree."
         ) from err
-    except tarfile.TarError as err:
-        shutil.rmtree(unpacking, ignore_errors=True)
-        raise SetupError(f"{archive} is not a readable xz tar archive: {err}.") from err
     return target
 
 
@@ -244,6 +237,23 @@ def require_kernel_headers() -> KernelHeaders:
     if headers.origin in ("kheaders", "shipped"):
         os.environ["BCC_KERNEL_SOURCE"] = str(headers.path)
     return headers
+
+
+@contextlib.contextmanager
+def kernel_headers() -> Iterator[KernelHeaders]:
+    """require_kernel_headers() while the programs are compiled: afterwards BCC_KERNEL_SOURCE
+    is as it was and unpacked kheaders are gone (only a start compiles)."""
+    before = os.environ.get("BCC_KERNEL_SOURCE")
+    headers = require_kernel_headers()
+    try:
+        yield headers
+    finally:
+        if before is None:
+            os.environ.pop("BCC_KERNEL_SOURCE", None)
+        else:
+            os.environ["BCC_KERNEL_SOURCE"] = before
+        if headers.origin == "kheaders":
+            shutil.rmtree(headers.path, ignore_errors=True)
 
 
 def require_bcc():

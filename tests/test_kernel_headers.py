@@ -80,19 +80,32 @@ def test_debians_split_build_and_source_is_the_nodes_own(places):
     assert find(places) == host.KernelHeaders("node", build, RELEASE)
 
 
-def test_kheaders_come_next_unpacked_once_under_the_run_directory(places):
+def test_kheaders_come_next_unpacked_for_the_compile_and_removed_after(places, monkeypatch):
     # a build/ left behind without headers (BCC looks for kconfig.h too, not the directory)
     (places["modules"] / RELEASE / "build" / "include").mkdir(parents=True)
     kheaders_archive(places["kheaders"], RELEASE)
     headers_tree(places["shipped"], "6.1.0-57-amd64")
+    places["extract_to"].mkdir()
     found = find(places)
-    unpacked = places["extract_to"] / f"kheaders-{RELEASE}"
-    assert found == host.KernelHeaders("kheaders", unpacked, RELEASE)
-    assert (unpacked / "arch/x86/include/asm/page.h").is_file()
-    assert unpacked.stat().st_mode & 0o077 == 0  # root's alone: BCC compiles what is there
-    places["kheaders"].write_bytes(b"not read again")
-    assert find(places) == found
-    assert [p.name for p in places["extract_to"].iterdir()] == [unpacked.name]
+    assert (found.origin, found.release) == ("kheaders", RELEASE)
+    assert found.path.parent == places["extract_to"]
+    assert (found.path / "arch/x86/include/asm/page.h").is_file()
+    assert found.path.stat().st_mode & 0o077 == 0  # root's alone: BCC compiles what is there
+    # the agent's way: BCC pointed at them while it compiles, nothing left once loaded
+    monkeypatch.setattr(host, "find_kernel_headers", lambda: found)
+    with host.kernel_headers() as headers:
+        assert os.environ["BCC_KERNEL_SOURCE"] == str(found.path)
+        assert headers == found
+    assert "BCC_KERNEL_SOURCE" not in os.environ
+    assert not found.path.exists()
+
+
+def test_a_kheaders_archive_that_cannot_be_read_is_named(places):
+    places["kheaders"].write_bytes(b"not xz")
+    places["extract_to"].mkdir()
+    with pytest.raises(host.SetupError, match="kheaders.tar.xz"):
+        find(places)
+    assert list(places["extract_to"].iterdir()) == []
 
 
 def test_the_shipped_set_is_the_last_resort(places):
