@@ -194,6 +194,10 @@ def test_kpr_serves_a_clusterip_on_a_node_without_kernel_headers(
             log
         )
         assert "shipped" in status_json(pin_dir)["agent"]["kernel_headers"]
+        text = subprocess.run(
+            [*KPR, "status", "--bpffs", str(pin_dir)], capture_output=True, text=True, check=True
+        ).stdout
+        assert f"headers:   shipped with kpr (the node has none): {host.SHIPPED_HEADERS}" in text
     finally:
         agent.kill()
         subprocess.run([*KPR, "cleanup", "--bpffs", str(pin_dir)], capture_output=True)

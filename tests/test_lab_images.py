@@ -246,6 +246,7 @@ def test_kpr_image_runs_the_kpr_cli(containerd, built):
 # it ships, and BCC compiles and loads both programs against them (maps pinned in a bpffs of
 # the container's own, gone with it; nothing is attached).
 COMPILE_IN_IMAGE = """
+import lzma  # kheaders.tar.xz, on nodes that have it
 from pathlib import Path
 from kpr import host
 from kpr.datapath import abi, loader
