@@ -1,8 +1,8 @@
 # Two commands do all the set-up on a fresh Debian 12 machine, as root:
 #   make demo   -- kpr on its embedded default: a throwaway netns lab, real connections
 #   make test   -- the test suite (unit tests, and real-kernel tests when root)
-# Both run deploy/host-setup.sh first: apt packages, the kernel-headers layout BCC
-# needs, bpffs, and the venv at .venv with the `kpr` command. It is idempotent.
+# Both run deploy/host-setup.sh first: apt packages, the kernel headers kpr ships
+# (for BCC, on a kernel without its own), bpffs, and the venv at .venv with the `kpr` command. It is idempotent.
 
 VENV := .venv
 PYTHON := $(VENV)/bin/python

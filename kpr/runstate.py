@@ -98,6 +98,7 @@ class RunState:
     # the agent reads the API with: `kpr status NAMESPACE/NAME` explains with them
     node: dict = field(default_factory=dict)
     kubeconfig: str | None = None
+    kernel_headers: str = ""  # what BCC compiled against (host.KernelHeaders)
 
     def record(
         self,

@@ -78,9 +78,12 @@ class Containerd:
             timeout=timeout,
         )
 
-    def run(self, image: str, *argv: str) -> subprocess.CompletedProcess:
+    def run(
+        self, image: str, *argv: str, options: tuple[str, ...] = ()
+    ) -> subprocess.CompletedProcess:
         """`ctr run --rm` in the container's own network namespace (only a loopback)."""
-        return self._run("--rm", image, f"kpr-test-{os.getpid()}-{next(IDS)}", *argv)
+        name = f"kpr-test-{os.getpid()}-{next(IDS)}"
+        return self._run("--rm", *options, image, name, *argv)
 
     def start(self, image: str) -> str:
         """`ctr run -d` of the image's own command; the container's name."""
@@ -237,6 +240,36 @@ def test_kpr_image_runs_the_kpr_cli(containerd, built):
     done = containerd.run(images.KPR_IMAGE, "kpr", "--help")
     assert done.returncode == 0, done.stderr
     assert "Usage: kpr" in done.stdout
+
+
+# In the image, with none of the node's /lib/modules or /usr/src mounted: kpr finds the headers
+# it ships, and BCC compiles and loads both programs against them (maps pinned in a bpffs of
+# the container's own, gone with it; nothing is attached).
+COMPILE_IN_IMAGE = """
+import lzma  # kheaders.tar.xz, on nodes that have it
+from pathlib import Path
+from kpr import host
+from kpr.datapath import abi, loader
+headers = host.require_kernel_headers()
+print(headers.origin, headers.path)
+pins = Path("/sys/fs/bpf/kpr-image-test")
+host.ensure_bpffs(pins)
+for source in ("sock_lb.c", "nodeport.c"):
+    bpf = loader.compile_and_pin(pins, abi.MapSizes(), source)
+    print(source, len(bpf.tables))
+"""
+
+
+def test_kpr_image_compiles_its_programs_against_the_headers_it_ships(containerd, built):
+    from kpr import host
+
+    done = containerd.run(
+        images.KPR_IMAGE, "python3", "-c", COMPILE_IN_IMAGE, options=("--privileged",)
+    )
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert lines[0] == f"shipped {host.SHIPPED_HEADERS}"
+    assert [line.split()[0] for line in lines[1:]] == ["sock_lb.c", "nodeport.c"]
 
 
 def test_unchanged_images_are_reused_and_a_changed_one_rebuilt(built, tmp_path, monkeypatch):

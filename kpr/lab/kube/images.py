@@ -41,7 +41,15 @@ KPR_IMAGE = "localhost/kpr:0.1.0"  # deploy/Dockerfile's own example tag
 DEBIAN_BASE = "docker.io/library/debian:bookworm-slim"
 SUITE = "bookworm"
 # What deploy/Dockerfile copies (and .dockerignore trims): the kpr image's cache key.
-KPR_CONTEXT = (".dockerignore", "deploy/Dockerfile", "pyproject.toml", "README.md", "bpf", "kpr")
+KPR_CONTEXT = (
+    ".dockerignore",
+    "deploy/Dockerfile",
+    "deploy/kernel-headers.sh",
+    "pyproject.toml",
+    "README.md",
+    "bpf",
+    "kpr",
+)
 IGNORED = ("__pycache__",)  # as .dockerignore says
 # Short name -> ImageID in manifest.go, in the order they are built.
 E2E_IMAGES = {
