@@ -52,12 +52,16 @@ class Built:
 def built() -> Built:
     """Every image, built once per session (minutes cold, a second from the cache)."""
     _skip_unless_able_to_build()
-    names = [name for name in images.NAMES if name != "agnhost" or build.cached()]
+    names = [n for n in images.NAMES if n not in ("agnhost", "kube-proxy") or build.cached()]
     started = time.monotonic()
     archives = images.build_images(names)
     seconds = time.monotonic() - started
     print(f"\nbuild_images({len(names)} images): {seconds:.1f} s", file=sys.stderr)
-    references = {"kpr": images.KPR_IMAGE, **images.e2e_references(build.kubernetes_source())}
+    references = {
+        "kpr": images.KPR_IMAGE,
+        "kube-proxy": images.kube_proxy_image(),
+        **images.e2e_references(build.kubernetes_source()),
+    }
     return Built(references, archives, seconds)
 
 
@@ -224,6 +228,24 @@ def test_kpr_image_runs_the_kpr_cli(containerd, built):
     done = containerd.run(images.KPR_IMAGE, "kpr", "--help")
     assert done.returncode == 0, done.stderr
     assert "Usage: kpr" in done.stdout
+
+
+def test_kube_proxy_image_is_kubeadms_with_the_tools_upstreams_has(containerd, built):
+    """kubeadm's DaemonSet runs /usr/local/bin/kube-proxy; iptables (nft backend), nft and
+    conntrack are what kube-proxy and docs/operations.md's migration run in its pod."""
+    reference = built.reference("kube-proxy")
+    assert reference == f"registry.k8s.io/kube-proxy:{build.kubernetes_version()}"
+    done = containerd.run(
+        reference,
+        "sh",
+        "-c",
+        "/usr/local/bin/kube-proxy --version && iptables --version && nft --version"
+        " && conntrack --version",
+    )
+    assert done.returncode == 0, done.stderr
+    version, iptables, *_ = done.stdout.splitlines()
+    assert version == f"Kubernetes {build.kubernetes_version()}"
+    assert "(nf_tables)" in iptables
 
 
 def test_unchanged_images_are_reused_and_a_changed_one_rebuilt(built, tmp_path, monkeypatch):

@@ -8,7 +8,8 @@ e2e images from a Containerfile in containerfiles/NAME/ beside this module, kpr 
 deploy/Dockerfile as a user builds it (deploy/build-image.sh). The Debian-based ones start FROM
 docker.io/library/debian:bookworm-slim, which no registry serves here: it is made from Debian's
 packages with debootstrap, from the mirror this machine's apt uses. Names and tags are the e2e
-framework's (test/utils/image/manifest.go of the Kubernetes version the lab pins).
+framework's (test/utils/image/manifest.go of the Kubernetes version the lab pins); kube-proxy's
+is kubeadm's (registry.k8s.io/kube-proxy:v<the lab's version>), the lab's own kube-proxy binary.
 
 Archives (OCI) live under CACHE/images/archives, named by a digest of what goes into them
 (Containerfile, context files, base image recipe), so an unchanged image is reused and a changed
@@ -52,7 +53,9 @@ E2E_IMAGES = {
     "nginx": "Nginx",
     "jessie-dnsutils": "JessieDnsutils",
 }
-NAMES = (*E2E_IMAGES, "kpr")
+# kubeadm's kube-proxy DaemonSet image (kpr.lab.kube.kube_proxy), tagged with the lab's version.
+KUBE_PROXY_REPOSITORY = "registry.k8s.io/kube-proxy"
+NAMES = (*E2E_IMAGES, "kube-proxy", "kpr")
 # Debian packages the builds run (the command each provides, to see whether it is there).
 TOOLS = {
     "buildah": "buildah",
@@ -95,6 +98,10 @@ def e2e_references(kubernetes_source: Path) -> dict[str, str]:
     return references
 
 
+def kube_proxy_image() -> str:
+    return f"{KUBE_PROXY_REPOSITORY}:{build.kubernetes_version()}"  # "v1.34.4"
+
+
 def build_images(names: Iterable[str] | None = None, log=sys.stderr) -> dict[str, Path]:
     """Build the named images (default all of NAMES) or reuse them; reference -> OCI archive."""
     wanted = list(NAMES if names is None else names)
@@ -106,9 +113,9 @@ def build_images(names: Iterable[str] | None = None, log=sys.stderr) -> dict[str
     _require_packages(TOOLS)
     root = images_root()
     archives_dir().mkdir(parents=True, exist_ok=True)
-    references = {"kpr": KPR_IMAGE}
+    references = {"kpr": KPR_IMAGE, "kube-proxy": kube_proxy_image()}
     kubernetes_source = None
-    if set(wanted) - {"kpr"}:
+    if set(wanted) - {"kpr", "kube-proxy"}:
         kubernetes_source = build.kubernetes_source()
         references |= e2e_references(kubernetes_source)
     with open(root / ".lock", "w") as lock:
@@ -245,8 +252,8 @@ class _Builder:
 
     def _prepare_context(self, name: str, reference: str, context: Path) -> None:
         shutil.copytree(CONTAINERFILES / name, context)
-        assert self.kubernetes_source is not None
         if name == "pause":
+            assert self.kubernetes_source is not None
             source = self.kubernetes_source / "build" / "pause" / "linux" / "pause.c"
             version = "v" + reference.rsplit(":", 1)[1]
             # build/pause/Makefile's flags; the version names this build, not a git revision.
@@ -269,14 +276,16 @@ class _Builder:
             _require_packages({"busybox-static": "busybox-static"}, installed_only=True)
             shutil.copy2(BUSYBOX, context / "busybox")
             _require_static(context / "busybox")
-        elif name == "agnhost":
+        elif name in ("agnhost", "kube-proxy"):
             binaries = build.cached()
             if binaries is None:
                 raise InputsMissing(
-                    "the lab's agnhost is not built: run `python -m kpr.lab.kube build` first"
+                    f"the lab's {name} is not built: run `python -m kpr.lab.kube build` first"
                 )
-            shutil.copy2(binaries / "agnhost", context / "agnhost")
+            shutil.copy2(binaries / name, context / name)
+        if name == "agnhost":
             _require_static(context / "agnhost")
+            assert self.kubernetes_source is not None
             porter = self.kubernetes_source / "test" / "images" / "agnhost" / "porter"
             for key in ("localhost.crt", "localhost.key"):
                 shutil.copyfile(porter / key, context / key)
