@@ -21,7 +21,7 @@ from ipaddress import IPv6Address
 from pathlib import Path
 from typing import Protocol
 
-from kpr import conflicts, host, runstate
+from kpr import __version__, conflicts, host, runstate
 from kpr.datapath import abi, loader, sockets, tc
 from kpr.datapath.maps import BpfMaps, execute, slot_blocks
 from kpr.datapath.plan import apply_plan, plan
@@ -166,6 +166,7 @@ class Agent:
         self.state.node_port_addresses = [str(a) for a in cfg.node.node_port_addresses]
         self.state.node = node_record(cfg.node)
         self.state.kubeconfig = cfg.kubeconfig
+        self.state.version = __version__
         rules = conflicts.check_kube_proxy_rules()
         self.state.conflicts = rules.found + conflicts.foreign_programs(cgroup)
         for conflict in self.state.conflicts:

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+import kpr
 from kpr import runstate
 from kpr.datapath import loader
 from kpr.datapath.maps import BpfMaps
@@ -178,6 +179,7 @@ def test_status_reads_the_pinned_maps_with_the_agent_stopped(lab, agent):
     agent.kill(signal.SIGKILL)
     status = status_json(agent.pin_dir)
     assert status["agent"]["running"] is False
+    assert status["agent"]["version"] == kpr.__version__  # which kpr made these maps
     assert all(status["attached"].values())
     frontends = {s["frontend"]: s for s in status["services"]}
     assert frontends[f"{VIP4}:80/TCP"]["service"] == "default/echo:http"
@@ -188,6 +190,7 @@ def test_status_reads_the_pinned_maps_with_the_agent_stopped(lab, agent):
         [*KPR, "status", "--bpffs", str(agent.pin_dir)], capture_output=True, text=True
     ).stdout
     assert "default/echo:http" in text and "drift:     none" in text
+    assert f"agent:     kpr {kpr.__version__}, pid " in text
     assert "NEARLY FULL" not in text  # one small Service: no map is near its capacity
 
 
@@ -503,6 +506,7 @@ def test_upgrade_from_16_bit_slots_keeps_the_pinned_maps_and_serves_throughout(
     assert not (agent.pin_dir / "v1_config").exists()  # (a map that build did not have)
     before = snapshot_maps(agent.pin_dir)
     agent.kill(signal.SIGKILL)
+    assert status_json(agent.pin_dir)["agent"]["version"] is None  # it did not record one
     client = loop_client(lab, 10)  # outlasts the start: compile, first sync, swap
     time.sleep(0.5)
     agent.args = new_args
