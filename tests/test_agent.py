@@ -246,7 +246,8 @@ def test_cleanup_detaches_and_removes_every_pin(lab, agent):
 
 def test_cleanup_refuses_while_the_agent_runs_and_force_detaches_anyway(lab, agent):
     """A live agent would attach and pin again at its next full sync: `kpr cleanup` says so
-    and removes nothing; with --force it removes everything, warning that it comes back."""
+    and removes nothing; with --force it removes everything, warning that the agent stands
+    down only until it restarts."""
     echo(lab, agent.log.parent / "manifests")
     agent.start()
     agent.wait_synced()
@@ -264,6 +265,38 @@ def test_cleanup_refuses_while_the_agent_runs_and_force_detaches_anyway(lab, age
     agent.kill(signal.SIGKILL)  # the kernel drops its lock with it: a plain cleanup runs
     out = subprocess.run(cleanup, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
+
+
+def test_cleanup_force_makes_the_running_agent_stand_down_and_leave_nothing_when_it_stops(
+    lab, agent
+):
+    """docs/operations.md's rollback and removal: `kpr cleanup --force` in each pod, then the
+    DaemonSet deleted. Until its pod stops, the agent's full syncs (here every second) attach
+    and pin nothing again, however long the loop over the nodes takes; when it stops it
+    writes no run state: nothing of kpr stays on the node."""
+    echo(lab, agent.log.parent / "manifests")
+    agent.args += ["--sync-period", "1"]
+    agent.start()
+    agent.wait_synced()
+    forced = subprocess.run(
+        [*KPR, "cleanup", "--bpffs", str(agent.pin_dir), "--force"], capture_output=True, text=True
+    )
+    assert forced.returncode == 0, forced.stderr
+    assert "it stands down" in forced.stderr
+    time.sleep(3.5)  # three full syncs' time: each would have attached and pinned again
+    attached = subprocess.run(
+        ["bpftool", "-j", "cgroup", "show", str(lab.cgroup)], capture_output=True, text=True
+    )
+    assert json.loads(attached.stdout.strip() or "[]") == [], attached.stdout
+    assert not agent.pin_dir.exists()
+    assert "error" in tcp_results(lab, 1)[0]  # not served: the hooks stay empty
+    agent.process.send_signal(signal.SIGTERM)
+    assert agent.process.wait(timeout=20) == 0
+    log = agent.log.read_text()
+    assert "kpr cleanup removed this agent's programs and pins" in log
+    assert "pins removed behind kpr's back" not in log
+    leftovers = [p.name for p in runstate.RUN_DIR.glob(runstate.path_for(agent.pin_dir).stem + "*")]
+    assert leftovers == []
 
 
 # --- set-up errors: one paragraph saying what to do ------------------------------------
