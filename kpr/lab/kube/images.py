@@ -133,6 +133,23 @@ def build_images(names: Iterable[str] | None = None, log=sys.stderr) -> dict[str
             return built
 
 
+def build_kpr_image(tree: Path, reference: str, log=sys.stderr) -> Path:
+    """kpr's image from another source tree (an older commit's, for upgrade tests), built as
+    this tree builds its own: deploy/build-image.sh is copied into it (older trees had none).
+    Its archives are "kpr-from-tree-*" (not counted among the three kept of this tree's kpr)."""
+    if os.geteuid() != 0:
+        raise InputsMissing("building the lab's images needs root (buildah, debootstrap)")
+    _require_packages(TOOLS)
+    shutil.copy2(BUILD_IMAGE, tree / "deploy" / "build-image.sh")
+    root = images_root()
+    archives_dir().mkdir(parents=True, exist_ok=True)
+    with open(root / ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        with tempfile.TemporaryDirectory(dir=root, prefix=".build-") as scratch:
+            builder = _Builder(root, Path(scratch), None, log)
+            return builder.image("kpr-from-tree", reference, kpr_tree=tree)
+
+
 def import_images(ctr_address: str, archives: list[Path]) -> None:
     """Import OCI archives into containerd's k8s.io namespace (the kubelet's), names kept."""
     _require_packages({"ctr": "containerd"})
@@ -173,10 +190,11 @@ class _Builder:
         )
         self.env = dict(os.environ, CONTAINERS_STORAGE_CONF=str(storage_conf))
 
-    def image(self, name: str, reference: str) -> Path:
-        if name == "kpr":
-            context, containerfile = REPO, REPO / "deploy" / "Dockerfile"
-            digest = _tree_digest(REPO, [*KPR_CONTEXT, "deploy/build-image.sh"])
+    def image(self, name: str, reference: str, kpr_tree: Path = REPO) -> Path:
+        """`name`'s image (kpr's from `kpr_tree`); its archive is NAME-KEY.tar."""
+        if name.startswith("kpr"):
+            context, containerfile = kpr_tree, kpr_tree / "deploy" / "Dockerfile"
+            digest = _tree_digest(kpr_tree, [*KPR_CONTEXT, "deploy/build-image.sh"])
         else:
             context = self.scratch / name
             containerfile = context / "Containerfile"
@@ -195,9 +213,10 @@ class _Builder:
         partial = archive.with_name(f".{archive.name}.partial")
         partial.unlink(missing_ok=True)
         print(f"kpr.lab.kube.images: building {reference}", file=self.log, flush=True)
-        if name == "kpr":
+        if name.startswith("kpr"):
+            script = kpr_tree / "deploy" / "build-image.sh"
             self.buildah_private(
-                ["sh", str(BUILD_IMAGE), reference, str(partial), *self._bud_options()]
+                ["sh", str(script), reference, str(partial), *self._bud_options()]
                 + self._pip_trust()
             )
         else:
