@@ -21,7 +21,7 @@ from ipaddress import IPv6Address
 from pathlib import Path
 from typing import Protocol
 
-from kpr import conflicts, host, runstate
+from kpr import __version__, conflicts, host, runstate
 from kpr.datapath import abi, loader, sockets, tc
 from kpr.datapath.maps import BpfMaps, execute, slot_blocks
 from kpr.datapath.plan import apply_plan, plan
@@ -138,6 +138,7 @@ class Agent:
         self._attached = False
         self._previous: runstate.RunState | None = None
         self.kernel_headers: host.KernelHeaders | None = None  # chosen by start()
+        self._removed = False  # by `kpr cleanup --force`: programming nothing more
 
     def start(self) -> None:
         """Compile and pin the programs, open the pinned maps, adopt their content. The
@@ -172,6 +173,7 @@ class Agent:
         self.state.node = node_record(cfg.node)
         self.state.kubeconfig = cfg.kubeconfig
         self.state.kernel_headers = str(self.kernel_headers)
+        self.state.version = __version__
         rules = conflicts.check_kube_proxy_rules()
         self.state.conflicts = rules.found + conflicts.foreign_programs(cgroup)
         for conflict in self.state.conflicts:
@@ -179,6 +181,8 @@ class Agent:
         self.state.conflicts_not_checked = rules.not_run
         for why in rules.not_run:
             log.warning("conflict check for kube-proxy's rules could not run: %s", why)
+        # a cleanup's marker is for the agent that ran then: this one programs again
+        runstate.removed_path(cfg.pin_dir).unlink(missing_ok=True)
         self.state.save()
         log.info(
             "programs pinned in %s, to be attached to cgroup %s after the first sync; the "
@@ -536,6 +540,25 @@ class Agent:
             log.warning("%s", text)
         self._reported = current
 
+    def stood_down(self) -> bool:
+        """Whether `kpr cleanup --force` removed this agent's programs and pins. It then
+        syncs, repairs and records nothing more, until it exits: a full sync would attach
+        and pin everything again."""
+        if not self._removed and runstate.is_removed(self.config.pin_dir, self.state.started):
+            self._removed = True
+            log.warning(
+                "kpr cleanup removed this agent's programs and pins: it attaches, pins and "
+                "records nothing more until it exits (pid %d)",
+                os.getpid(),
+            )
+        return self._removed
+
+    def _sync_unless_removed(self, snapshot: Snapshot | None, full: bool) -> None:
+        # the lock: a cleanup waits for a sync under way, and a sync for a cleanup
+        with runstate.sync_lock(self.config.pin_dir):
+            if not self.stood_down():
+                self.sync(snapshot, full)
+
     def run(self, stop: threading.Event) -> None:
         """Sync until `stop` is set: changes at most once per min_sync_period, a full
         sync at least once per sync_period (kube-proxy's bounded-frequency runner).
@@ -543,9 +566,12 @@ class Agent:
         cfg = self.config
         self.source.start()
         while not stop.is_set():
+            if self.stood_down():
+                stop.wait(1.0)
+                continue
             snapshot = self.source.poll()  # None until the source has its first full state
             if snapshot is not None:
-                self.sync(snapshot, full=self.last_sync == 0)
+                self._sync_unless_removed(snapshot, full=self.last_sync == 0)
                 continue
             until_full = self.last_full + cfg.sync_period - time.time()
             if self.source.wait(min(max(until_full, 0.0), 1.0)):
@@ -555,11 +581,17 @@ class Agent:
                 if hold > 0:
                     stop.wait(hold)
             elif self.last_sync and until_full <= 0:
-                self.sync(None, full=True)
+                self._sync_unless_removed(None, full=True)
             elif self._unsaved is not None and time.monotonic() - self._saved_at > 5.0:
                 self._save_state()
             self._save_source_status()
         self.source.stop()
+        if self.stood_down():
+            # nothing of kpr stays on the node: not even the run state it wrote since
+            self.wait_saved()
+            runstate.remove(cfg.pin_dir, marker=True)
+            log.info("stopping; kpr cleanup removed the programs and pins (pid %d)", os.getpid())
+            return
         self._save_state(wait=True)
         log.info("stopping; programs stay attached and maps pinned (pid %d)", os.getpid())
 

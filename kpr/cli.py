@@ -332,7 +332,8 @@ def cleanup(
     except host.SetupError as err:
         _fail(err)
     state = runstate.load(bpffs)
-    if runstate.agent_running(bpffs):
+    running = runstate.agent_running(bpffs)
+    if running:
         pid = f" (pid {state.pid} where it runs)" if state else ""
         if not force:
             _fail(
@@ -341,27 +342,30 @@ def cleanup(
                     f"and pin its maps again at its next full sync (syncPeriod), so nothing "
                     f"is removed. Stop it first (on a cluster: delete the DaemonSet; the "
                     f"programs stay attached and Services keep working until this runs), or "
-                    f"pass --force when it is about to be stopped anyway."
+                    f"pass --force: the agent then stands down until it exits."
                 )
             )
+        # before removing anything: the agent reads it before every sync
+        runstate.mark_removed(bpffs, state)
         typer.echo(
-            f"warning: a kpr agent is running on {bpffs}{pid}: it attaches and pins again "
-            f"at its next full sync unless it is stopped before",
+            f"warning: a kpr agent is running on {bpffs}{pid}: it stands down (attaches and "
+            f"pins nothing more) until it exits; if it restarts, it attaches again",
             err=True,
         )
-    targets = {p for p in (cgroup, Path(state.cgroup) if state else None) if p}
-    if not targets:
-        targets = {host.cgroup2_root()}
-    for target in sorted(targets):
-        count = loader.detach(target)
-        typer.echo(f"detached {count} programs from {target}")
-    if state and state.devices:
-        from kpr.datapath import tc
+    with runstate.sync_lock(bpffs):  # a sync under way ends first
+        targets = {p for p in (cgroup, Path(state.cgroup) if state else None) if p}
+        if not targets:
+            targets = {host.cgroup2_root()}
+        for target in sorted(targets):
+            count = loader.detach(target)
+            typer.echo(f"detached {count} programs from {target}")
+        if state and state.devices:
+            from kpr.datapath import tc
 
-        count = tc.detach(state.devices)
-        typer.echo(f"detached {count} TC filters from {', '.join(state.devices)}")
-    loader.unpin_all(bpffs)
-    runstate.remove(bpffs)
+            count = tc.detach(state.devices)
+            typer.echo(f"detached {count} TC filters from {', '.join(state.devices)}")
+        loader.unpin_all(bpffs)
+        runstate.remove(bpffs, marker=not running)  # (a running agent removes it at exit)
     typer.echo(f"removed {bpffs}")
 
 

@@ -7,12 +7,14 @@ pin directory (a tmpfs, cleared with the pins at reboot). Written atomically.
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import json
 import os
 import subprocess
 import tempfile
 import time
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -45,6 +47,45 @@ def hold_agent_lock(pin_dir: Path) -> int:
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
     fcntl.flock(fd, fcntl.LOCK_SH)
     return fd
+
+
+def removed_path(pin_dir: Path) -> Path:
+    """Written by `kpr cleanup --force` while an agent runs: that agent stands down."""
+    return path_for(pin_dir).with_suffix(".removed")
+
+
+def sync_lock_path(pin_dir: Path) -> Path:
+    """Held (flock, exclusive) by the agent while it syncs and by `kpr cleanup` while it
+    removes: a cleanup never races a sync that would attach or pin again."""
+    return path_for(pin_dir).with_suffix(".sync")
+
+
+@contextlib.contextmanager
+def sync_lock(pin_dir: Path) -> Iterator[None]:
+    path = sync_lock_path(pin_dir)
+    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
+
+
+def mark_removed(pin_dir: Path, state: RunState | None) -> None:
+    """Tell the agent that recorded `state` (None: whichever runs) that its programs and pins
+    are being removed: it syncs, repairs and records nothing more until it exits."""
+    _write_atomically(removed_path(pin_dir), {"started": state.started if state else None})
+
+
+def is_removed(pin_dir: Path, started: float) -> bool:
+    """Whether `kpr cleanup --force` removed the datapath of the agent started at `started`
+    (a marker for an earlier agent, one that has since restarted, does not count)."""
+    try:
+        marker = json.loads(removed_path(pin_dir).read_text())
+    except (FileNotFoundError, json.JSONDecodeError):
+        return False
+    return marker.get("started") in (None, started)
 
 
 def agent_running(pin_dir: Path) -> bool:
@@ -99,6 +140,8 @@ class RunState:
     node: dict = field(default_factory=dict)
     kubeconfig: str | None = None
     kernel_headers: str = ""  # what BCC compiled against (host.KernelHeaders)
+    # the agent's kpr version ("": an agent older than this field, which did not record it)
+    version: str = ""
 
     def record(
         self,
@@ -164,7 +207,12 @@ def wait_synced(
     raise TimeoutError(f"kpr run did not sync within {timeout}s")
 
 
-def remove(pin_dir: Path) -> None:
+def remove(pin_dir: Path, marker: bool = False) -> None:
+    """The run state files of `pin_dir`; with `marker`, also cleanup's marker (which a
+    running agent still reads: the agent removes it when it exits)."""
     path_for(pin_dir).unlink(missing_ok=True)
     desired_path(pin_dir).unlink(missing_ok=True)
     lock_path(pin_dir).unlink(missing_ok=True)
+    sync_lock_path(pin_dir).unlink(missing_ok=True)
+    if marker:
+        removed_path(pin_dir).unlink(missing_ok=True)

@@ -85,6 +85,7 @@ def report(pin_dir: Path) -> dict:
     agent = None
     if state:
         agent = {
+            "version": state.version or None,
             "pid": state.pid,
             "running": host.process_alive(state.pid),
             "source": state.source,
@@ -130,7 +131,8 @@ def render(status: dict) -> str:
             else "never"
         )
         running = "running" if agent["running"] else "not running"
-        lines.append(f"agent:     pid {agent['pid']} ({running}), last sync {when}")
+        version = f"kpr {agent['version']}" if agent.get("version") else "kpr (version unknown)"
+        lines.append(f"agent:     {version}, pid {agent['pid']} ({running}), last sync {when}")
         lines.append(f"source:    {agent['source']}")
         if agent.get("kernel_headers"):
             lines.append(f"headers:   {agent['kernel_headers']}")

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+import kpr
 from kpr import runstate
 from kpr.datapath import loader
 from kpr.datapath.maps import BpfMaps
@@ -178,6 +179,7 @@ def test_status_reads_the_pinned_maps_with_the_agent_stopped(lab, agent):
     agent.kill(signal.SIGKILL)
     status = status_json(agent.pin_dir)
     assert status["agent"]["running"] is False
+    assert status["agent"]["version"] == kpr.__version__  # which kpr made these maps
     assert all(status["attached"].values())
     frontends = {s["frontend"]: s for s in status["services"]}
     assert frontends[f"{VIP4}:80/TCP"]["service"] == "default/echo:http"
@@ -188,6 +190,7 @@ def test_status_reads_the_pinned_maps_with_the_agent_stopped(lab, agent):
         [*KPR, "status", "--bpffs", str(agent.pin_dir)], capture_output=True, text=True
     ).stdout
     assert "default/echo:http" in text and "drift:     none" in text
+    assert f"agent:     kpr {kpr.__version__}, pid " in text
     assert "NEARLY FULL" not in text  # one small Service: no map is near its capacity
 
 
@@ -243,7 +246,8 @@ def test_cleanup_detaches_and_removes_every_pin(lab, agent):
 
 def test_cleanup_refuses_while_the_agent_runs_and_force_detaches_anyway(lab, agent):
     """A live agent would attach and pin again at its next full sync: `kpr cleanup` says so
-    and removes nothing; with --force it removes everything, warning that it comes back."""
+    and removes nothing; with --force it removes everything, warning that the agent stands
+    down only until it restarts."""
     echo(lab, agent.log.parent / "manifests")
     agent.start()
     agent.wait_synced()
@@ -261,6 +265,38 @@ def test_cleanup_refuses_while_the_agent_runs_and_force_detaches_anyway(lab, age
     agent.kill(signal.SIGKILL)  # the kernel drops its lock with it: a plain cleanup runs
     out = subprocess.run(cleanup, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
+
+
+def test_cleanup_force_makes_the_running_agent_stand_down_and_leave_nothing_when_it_stops(
+    lab, agent
+):
+    """docs/operations.md's rollback and removal: `kpr cleanup --force` in each pod, then the
+    DaemonSet deleted. Until its pod stops, the agent's full syncs (here every second) attach
+    and pin nothing again, however long the loop over the nodes takes; when it stops it
+    writes no run state: nothing of kpr stays on the node."""
+    echo(lab, agent.log.parent / "manifests")
+    agent.args += ["--sync-period", "1"]
+    agent.start()
+    agent.wait_synced()
+    forced = subprocess.run(
+        [*KPR, "cleanup", "--bpffs", str(agent.pin_dir), "--force"], capture_output=True, text=True
+    )
+    assert forced.returncode == 0, forced.stderr
+    assert "it stands down" in forced.stderr
+    time.sleep(3.5)  # three full syncs' time: each would have attached and pinned again
+    attached = subprocess.run(
+        ["bpftool", "-j", "cgroup", "show", str(lab.cgroup)], capture_output=True, text=True
+    )
+    assert json.loads(attached.stdout.strip() or "[]") == [], attached.stdout
+    assert not agent.pin_dir.exists()
+    assert "error" in tcp_results(lab, 1)[0]  # not served: the hooks stay empty
+    agent.process.send_signal(signal.SIGTERM)
+    assert agent.process.wait(timeout=20) == 0
+    log = agent.log.read_text()
+    assert "kpr cleanup removed this agent's programs and pins" in log
+    assert "pins removed behind kpr's back" not in log
+    leftovers = [p.name for p in runstate.RUN_DIR.glob(runstate.path_for(agent.pin_dir).stem + "*")]
+    assert leftovers == []
 
 
 # --- set-up errors: one paragraph saying what to do ------------------------------------
@@ -503,6 +539,7 @@ def test_upgrade_from_16_bit_slots_keeps_the_pinned_maps_and_serves_throughout(
     assert not (agent.pin_dir / "v1_config").exists()  # (a map that build did not have)
     before = snapshot_maps(agent.pin_dir)
     agent.kill(signal.SIGKILL)
+    assert status_json(agent.pin_dir)["agent"]["version"] is None  # it did not record one
     client = loop_client(lab, 10)  # outlasts the start: compile, first sync, swap
     time.sleep(0.5)
     agent.args = new_args

@@ -3,12 +3,16 @@ Rules are made in a network namespace of the test's own, never the machine's."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
+import sys
 import uuid
+from pathlib import Path
 
 import pytest
+import yaml
 
 from kpr import conflicts
 from kpr.datapath import abi, bpfsys, loader
@@ -36,6 +40,38 @@ def test_kube_proxy_iptables_chains_are_found(netns):
     in_netns(netns, "iptables", "-t", "nat", "-N", "KUBE-SERVICES")
     found = conflicts.kube_proxy_rules(netns)
     assert any("KUBE-SERVICES" in f and "iptables-save" in f for f in found), found
+
+
+def test_legacy_iptables_rules_are_found_with_only_the_daemonsets_capabilities(netns):
+    """The legacy iptables-save opens a raw socket: without CAP_NET_RAW in the pod, the check
+    of the legacy tables never ran on a node that had any (seen on the lab's nodes)."""
+    if shutil.which("iptables-legacy") is None or shutil.which("setpriv") is None:
+        pytest.skip("needs iptables-legacy and setpriv")
+    manifest = Path(__file__).resolve().parents[1] / "deploy" / "kpr" / "daemonset.yaml"
+    daemonset = yaml.safe_load(manifest.read_text())
+    added = daemonset["spec"]["template"]["spec"]["containers"][0]["securityContext"][
+        "capabilities"
+    ]["add"]
+    for tool in ("iptables-legacy", "ip6tables-legacy"):
+        in_netns(netns, tool, "-t", "nat", "-N", "KUBE-SERVICES")
+    only_those = ",".join(["-all", *(f"+{c.lower()}" for c in added)])
+    script = (
+        "import json; from kpr import conflicts; "
+        "print(json.dumps(conflicts.check_kube_proxy_rules().__dict__))"
+    )
+    done = subprocess.run(
+        [
+            *("nsenter", f"--net=/run/netns/{netns}"),
+            *("setpriv", f"--bounding-set={only_those}"),
+            *(sys.executable, "-c", script),
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    check = json.loads(done.stdout)
+    assert not [why for why in check["not_run"] if "legacy" in why], check
+    assert sum("legacy-save" in found for found in check["found"]) == 2, check
 
 
 def test_kube_proxy_nftables_table_is_found(netns):

@@ -52,7 +52,9 @@ class Built:
 def built() -> Built:
     """Every image, built once per session (minutes cold, a second from the cache)."""
     _skip_unless_able_to_build()
-    names = [n for n in images.NAMES if n not in ("agnhost", "coredns") or build.cached()]
+    names = [
+        n for n in images.NAMES if n not in ("agnhost", "coredns", "kube-proxy") or build.cached()
+    ]
     started = time.monotonic()
     archives = images.build_images(names)
     seconds = time.monotonic() - started
@@ -60,6 +62,7 @@ def built() -> Built:
     references = {
         "kpr": images.KPR_IMAGE,
         "coredns": dns.image_reference(),
+        "kube-proxy": images.kube_proxy_image(),
         **images.e2e_references(build.kubernetes_source()),
     }
     return Built(references, archives, seconds)
@@ -270,6 +273,24 @@ def test_kpr_image_compiles_its_programs_against_the_headers_it_ships(containerd
     lines = done.stdout.splitlines()
     assert lines[0] == f"shipped {host.SHIPPED_HEADERS}"
     assert [line.split()[0] for line in lines[1:]] == ["sock_lb.c", "nodeport.c"]
+
+
+def test_kube_proxy_image_is_kubeadms_with_the_tools_upstreams_has(containerd, built):
+    """kubeadm's DaemonSet runs /usr/local/bin/kube-proxy; iptables (nft backend), nft and
+    conntrack are what kube-proxy and docs/operations.md's migration run in its pod."""
+    reference = built.reference("kube-proxy")
+    assert reference == f"registry.k8s.io/kube-proxy:{build.kubernetes_version()}"
+    done = containerd.run(
+        reference,
+        "sh",
+        "-c",
+        "/usr/local/bin/kube-proxy --version && iptables --version && nft --version"
+        " && conntrack --version",
+    )
+    assert done.returncode == 0, done.stderr
+    version, iptables, *_ = done.stdout.splitlines()
+    assert version == f"Kubernetes {build.kubernetes_version()}"
+    assert "(nf_tables)" in iptables
 
 
 def test_unchanged_images_are_reused_and_a_changed_one_rebuilt(built, tmp_path, monkeypatch):

@@ -8,7 +8,8 @@ e2e images from a Containerfile in containerfiles/NAME/ beside this module, kpr 
 deploy/Dockerfile as a user builds it (deploy/build-image.sh). The Debian-based ones start FROM
 docker.io/library/debian:bookworm-slim, which no registry serves here: it is made from Debian's
 packages with debootstrap, from the mirror this machine's apt uses. Names and tags are the e2e
-framework's (test/utils/image/manifest.go of the Kubernetes version the lab pins).
+framework's (test/utils/image/manifest.go of the Kubernetes version the lab pins); kube-proxy's
+is kubeadm's (registry.k8s.io/kube-proxy:v<the lab's version>), the lab's own kube-proxy binary.
 
 Archives (OCI) live under CACHE/images/archives, named by a digest of what goes into them
 (Containerfile, context files, base image recipe), so an unchanged image is reused and a changed
@@ -60,7 +61,9 @@ E2E_IMAGES = {
     "nginx": "Nginx",
     "jessie-dnsutils": "JessieDnsutils",
 }
-NAMES = (*E2E_IMAGES, "coredns", "kpr")  # coredns: the cluster DNS (kpr.lab.kube.dns)
+# kubeadm's kube-proxy DaemonSet image (kpr.lab.kube.kube_proxy), tagged with the lab's version.
+KUBE_PROXY_REPOSITORY = "registry.k8s.io/kube-proxy"
+NAMES = (*E2E_IMAGES, "coredns", "kube-proxy", "kpr")  # coredns: the cluster DNS (kpr.lab.kube.dns)
 # Debian packages the builds run (the command each provides, to see whether it is there).
 TOOLS = {
     "buildah": "buildah",
@@ -103,6 +106,10 @@ def e2e_references(kubernetes_source: Path) -> dict[str, str]:
     return references
 
 
+def kube_proxy_image() -> str:
+    return f"{KUBE_PROXY_REPOSITORY}:{build.kubernetes_version()}"  # "v1.34.4"
+
+
 def build_images(names: Iterable[str] | None = None, log=sys.stderr) -> dict[str, Path]:
     """Build the named images (default all of NAMES) or reuse them; reference -> OCI archive."""
     wanted = list(NAMES if names is None else names)
@@ -114,9 +121,13 @@ def build_images(names: Iterable[str] | None = None, log=sys.stderr) -> dict[str
     _require_packages(TOOLS)
     root = images_root()
     archives_dir().mkdir(parents=True, exist_ok=True)
-    references = {"kpr": KPR_IMAGE, "coredns": dns.image_reference()}
+    references = {
+        "kpr": KPR_IMAGE,
+        "coredns": dns.image_reference(),
+        "kube-proxy": kube_proxy_image(),
+    }
     kubernetes_source = None
-    if set(wanted) - {"kpr"}:
+    if set(wanted) - {"kpr", "kube-proxy"}:
         kubernetes_source = build.kubernetes_source()
         references |= e2e_references(kubernetes_source)
     with open(root / ".lock", "w") as lock:
@@ -132,6 +143,23 @@ def build_images(names: Iterable[str] | None = None, log=sys.stderr) -> dict[str
                 # The replaced images' layers (the cache's parents of current ones stay).
                 builder.buildah_private(["buildah", "rmi", "--prune"], check=False)
             return built
+
+
+def build_kpr_image(tree: Path, reference: str, log=sys.stderr) -> Path:
+    """kpr's image from another source tree (an older commit's, for upgrade tests), built as
+    this tree builds its own: deploy/build-image.sh is copied into it (older trees had none).
+    Its archives are "kpr-from-tree-*" (not counted among the three kept of this tree's kpr)."""
+    if os.geteuid() != 0:
+        raise InputsMissing("building the lab's images needs root (buildah, debootstrap)")
+    _require_packages(TOOLS)
+    shutil.copy2(BUILD_IMAGE, tree / "deploy" / "build-image.sh")
+    root = images_root()
+    archives_dir().mkdir(parents=True, exist_ok=True)
+    with open(root / ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        with tempfile.TemporaryDirectory(dir=root, prefix=".build-") as scratch:
+            builder = _Builder(root, Path(scratch), None, log)
+            return builder.image("kpr-from-tree", reference, kpr_tree=tree)
 
 
 def import_images(ctr_address: str, archives: list[Path]) -> None:
@@ -174,10 +202,11 @@ class _Builder:
         )
         self.env = dict(os.environ, CONTAINERS_STORAGE_CONF=str(storage_conf))
 
-    def image(self, name: str, reference: str) -> Path:
-        if name == "kpr":
-            context, containerfile = REPO, REPO / "deploy" / "Dockerfile"
-            digest = _tree_digest(REPO, [*KPR_CONTEXT, "deploy/build-image.sh"])
+    def image(self, name: str, reference: str, kpr_tree: Path = REPO) -> Path:
+        """`name`'s image (kpr's from `kpr_tree`); its archive is NAME-KEY.tar."""
+        if name.startswith("kpr"):
+            context, containerfile = kpr_tree, kpr_tree / "deploy" / "Dockerfile"
+            digest = _tree_digest(kpr_tree, [*KPR_CONTEXT, "deploy/build-image.sh"])
         else:
             context = self.scratch / name
             containerfile = context / "Containerfile"
@@ -196,9 +225,10 @@ class _Builder:
         partial = archive.with_name(f".{archive.name}.partial")
         partial.unlink(missing_ok=True)
         print(f"kpr.lab.kube.images: building {reference}", file=self.log, flush=True)
-        if name == "kpr":
+        if name.startswith("kpr"):
+            script = kpr_tree / "deploy" / "build-image.sh"
             self.buildah_private(
-                ["sh", str(BUILD_IMAGE), reference, str(partial), *self._bud_options()]
+                ["sh", str(script), reference, str(partial), *self._bud_options()]
                 + self._pip_trust()
             )
         else:
@@ -253,8 +283,8 @@ class _Builder:
 
     def _prepare_context(self, name: str, reference: str, context: Path) -> None:
         shutil.copytree(CONTAINERFILES / name, context)
-        assert self.kubernetes_source is not None
         if name == "pause":
+            assert self.kubernetes_source is not None
             source = self.kubernetes_source / "build" / "pause" / "linux" / "pause.c"
             version = "v" + reference.rsplit(":", 1)[1]
             # build/pause/Makefile's flags; the version names this build, not a git revision.
@@ -277,14 +307,16 @@ class _Builder:
             _require_packages({"busybox-static": "busybox-static"}, installed_only=True)
             shutil.copy2(BUSYBOX, context / "busybox")
             _require_static(context / "busybox")
-        elif name == "agnhost":
+        elif name in ("agnhost", "kube-proxy"):
             binaries = build.cached()
             if binaries is None:
                 raise InputsMissing(
-                    "the lab's agnhost is not built: run `python -m kpr.lab.kube build` first"
+                    f"the lab's {name} is not built: run `python -m kpr.lab.kube build` first"
                 )
-            shutil.copy2(binaries / "agnhost", context / "agnhost")
+            shutil.copy2(binaries / name, context / name)
+        if name == "agnhost":
             _require_static(context / "agnhost")
+            assert self.kubernetes_source is not None
             porter = self.kubernetes_source / "test" / "images" / "agnhost" / "porter"
             for key in ("localhost.crt", "localhost.key"):
                 shutil.copyfile(porter / key, context / key)
