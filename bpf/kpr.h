@@ -215,13 +215,29 @@ struct kpr_nat {
 	__u64 last_seen_ns;
 };
 
-/* kpr_devices: the devices the TC program is on, with the address a remote
- * backend sees as source (Cluster policy). A backend routed through one of
- * these devices is remote. Zero address: that family is not masqueraded. */
+/* kpr_devices: ifindex -> the address a flow masqueraded out of that device gets
+ * as its source (externalTrafficPolicy Cluster to a backend on another node), the
+ * egress device's own address, as iptables' MASQUERADE picks. Every device the TC
+ * program is on has an entry; index 0 holds the node's address, for devices that
+ * have none of a family. Zero address there too: that family is not masqueraded. */
+#define KPR_DEVICE_F_REPLIES (1 << 0) /* not a --devices device: the TC program is
+					* there for the replies of masqueraded flows
+					* only, no frontend is served on it */
+
 struct kpr_device {
 	__u8 address4[4];
 	__u8 address6[16];
-	__u32 pad;
+	__u32 flags;      /* KPR_DEVICE_F_*; was padding */
+};
+
+/* kpr_local_endpoints: the addresses of this node's endpoints (EndpointSlice
+ * nodeName) of Services with external frontends. An external flow to one keeps
+ * the client's address; to any other it is masqueraded (externalTrafficPolicy
+ * Cluster), as kube-proxy masquerades every one. */
+struct kpr_local_endpoint_key {
+	__u8 address[16]; /* IPv4 in the first 4 bytes */
+	__u8 family;      /* 4 or 6 */
+	__u8 pad[3];
 };
 
 /* sessionAffinity ClientIP on the TC path: the client is its source address. */
@@ -293,5 +309,7 @@ BPF_TABLE_PINNED("lpm_trie", struct kpr_source_range_key, __u8, kpr_source_range
 BPF_TABLE_PINNED("hash", struct kpr_node_port_key, __u8, kpr_node_ports, 65536,
 		 KPR_PIN("node_ports"), BPF_F_NO_PREALLOC);
 BPF_TABLE_PINNED("array", __u32, struct kpr_config, kpr_config, 1, KPR_PIN("config"));
+BPF_TABLE_PINNED("hash", struct kpr_local_endpoint_key, __u8, kpr_local_endpoints, 65536,
+		 KPR_PIN("local_endpoints"), BPF_F_NO_PREALLOC);
 
 #endif /* KPR_H */

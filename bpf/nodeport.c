@@ -11,10 +11,14 @@
  * kpr_tc_egress (clsact egress of each node device):
  *   reply of a local backend to a client (kpr_nat, no SNAT) -> source = frontend
  *
- * A backend reached through one of kpr_devices lives on another node: its
- * replies must come back here, so the flow is masqueraded to that device's
- * address and a port from [61000, 65535]. A local backend (reached through a
- * pod veth) sees the client's own address.
+ * A backend on another node (externalTrafficPolicy Cluster) must send its
+ * replies back here, whatever device the route to it leaves by (the node network,
+ * a second NIC, an overlay: VXLAN, Geneve, IPIP, WireGuard): the flow is
+ * masqueraded to that egress device's address (kpr_devices, as iptables'
+ * MASQUERADE picks it) and a port from [61000, 65535]. The program is also on
+ * those devices, for the replies (KPR_DEVICE_F_REPLIES: nothing else is served
+ * there). A backend on this node (kpr_local_endpoints) sees the client's own
+ * address.
  *
  * Packets kpr does not translate get TC_ACT_UNSPEC, not TC_ACT_OK: in
  * direct-action mode TC_ACT_OK ends the filter chain, and other tools' filters
@@ -455,6 +459,37 @@ static __always_inline bool backend(const struct flow *f, __u32 id, __u8 *addres
 	return true;
 }
 
+/* An endpoint on this node (its EndpointSlice nodeName), as the agent knows. */
+static __always_inline bool local_endpoint(const struct flow *f, const __u8 *address)
+{
+	struct kpr_local_endpoint_key key = { .family = f->key.family };
+
+	__builtin_memcpy(key.address, address, 16);
+	return kpr_local_endpoints.lookup(&key) != NULL;
+}
+
+/* The source a flow masqueraded out of `ifindex` gets: that device's address of
+ * the family, else the node's (index 0). False: none, not masqueraded. */
+static __always_inline bool masquerade_address(const struct flow *f, __u32 ifindex, __u8 *address)
+{
+	__u32 indexes[2] = { ifindex, 0 };
+	int i;
+
+	for (i = 0; i < 2; i++) {
+		struct kpr_device *dev = kpr_devices.lookup(&indexes[i]);
+
+		if (!dev)
+			continue;
+		if (is_v6(f))
+			__builtin_memcpy(address, dev->address6, 16);
+		else
+			__builtin_memcpy(address, dev->address4, 4);
+		if (!is_zero(address))
+			return true;
+	}
+	return false;
+}
+
 /* A slot for a new flow: the client's remembered one under sessionAffinity
  * (while its timeout lasts and the slot still holds that backend), else a
  * uniformly random one. 0: the master counts a slot that is absent. */
@@ -555,7 +590,6 @@ static __always_inline int new_flow(struct __sk_buff *skb, struct flow *f)
 	struct kpr_nat nat = {};
 	struct kpr_ct ct = {};
 	struct bpf_fib_lookup p;
-	struct kpr_device *dev;
 	__u32 backend_id = 0;
 	bool snat = false;
 	int fib_ret;
@@ -586,18 +620,13 @@ static __always_inline int new_flow(struct __sk_buff *skb, struct flow *f)
 		return TC_ACT_SHOT;
 	}
 
-	/* remote backend (routed out of a node device kpr is on): masquerade, so
-	 * its replies come back through this node */
+	/* a backend not on this node: masquerade to the address of the device the
+	 * route to it leaves by, so its replies come back through this node */
 	fib_ret = route(skb, f, f->key.saddr, to.daddr, &p);
-	dev = routed(fib_ret) ? kpr_devices.lookup(&p.ifindex) : NULL;
-	if (dev) {
+	if (routed(fib_ret) && !local_endpoint(f, to.daddr)) {
 		__u8 address[16] = {};
 
-		if (is_v6(f))
-			__builtin_memcpy(address, dev->address6, 16);
-		else
-			__builtin_memcpy(address, dev->address4, 4);
-		if (!is_zero(address)) { /* zero: this family is not masqueraded */
+		if (masquerade_address(f, p.ifindex, address)) {
 			__builtin_memcpy(to.saddr, address, 16);
 			snat = true;
 		}
@@ -672,6 +701,8 @@ static __always_inline void forget(struct flow *f, const struct kpr_ct *ct)
 
 int kpr_tc_ingress(struct __sk_buff *skb)
 {
+	__u32 ifindex = skb->ifindex;
+	struct kpr_device *dev;
 	struct kpr_flow_key to;
 	struct kpr_nat *nat;
 	struct kpr_ct *ct;
@@ -693,6 +724,10 @@ int kpr_tc_ingress(struct __sk_buff *skb)
 			return TC_ACT_SHOT;
 		return route_and_send(skb, &f, &to);
 	}
+	/* a device masqueraded flows leave by, not one frontends are served on */
+	dev = kpr_devices.lookup(&ifindex);
+	if (dev && (dev->flags & KPR_DEVICE_F_REPLIES))
+		return KPR_PASS;
 
 	ct = kpr_ct.lookup(&f.key);
 	if (ct && stale(&f, ct)) {

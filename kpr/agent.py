@@ -25,7 +25,14 @@ from kpr import __version__, conflicts, host, runstate
 from kpr.datapath import abi, loader, sockets, tc
 from kpr.datapath.maps import BpfMaps, execute, slot_blocks
 from kpr.datapath.plan import apply_plan, plan
-from kpr.devices import Device
+from kpr.devices import (
+    NONE,
+    Device,
+    DeviceChoice,
+    DeviceWatch,
+    choose_devices,
+    node_port_addresses,
+)
 from kpr.gcpause import paused_gc
 from kpr.healthcheck import HealthCheckServers
 from kpr.model import (
@@ -57,6 +64,9 @@ class Source(Protocol):
 
     def status(self) -> dict: ...
 
+    def resync(self) -> None:
+        """Make the next poll return everything (the node's addresses changed)."""
+
 
 class Observer(Protocol):
     """Health and metrics: told about syncs, never consulted by them."""
@@ -72,6 +82,10 @@ class AgentConfig:
     node: NodeContext = field(default_factory=NodeContext)
     sizes: abi.MapSizes = field(default_factory=abi.MapSizes)
     devices: tuple[Device, ...] = ()  # where the TC program serves external traffic
+    reply_devices: tuple[Device, ...] = ()  # where it is for masqueraded flows' replies only
+    # --devices, followed at run time (netlink); None: the devices above, fixed
+    device_spec: str | None = None
+    node_port_cidrs: list[str] = field(default_factory=list)  # nodePortAddresses
     min_sync_period: float = 1.0  # at most one sync per this, under churn
     sync_period: float = 30.0  # a full sync at least this often, repairing drift
     kubeconfig: str | None = None  # recorded for `kpr status NAMESPACE/NAME`
@@ -139,6 +153,10 @@ class Agent:
         self._previous: runstate.RunState | None = None
         self.kernel_headers: host.KernelHeaders | None = None  # chosen by start()
         self._removed = False  # by `kpr cleanup --force`: programming nothing more
+        self._local_endpoints: set | None = None  # as written to kpr_local_endpoints
+        self.devices = DeviceChoice(config.devices, config.reply_devices)
+        self.device_watch: DeviceWatch | None = None
+        self.node_addresses: tuple = ()  # the Node's InternalIPs, from the source
 
     def start(self) -> None:
         """Compile and pin the programs, open the pinned maps, adopt their content. The
@@ -160,16 +178,21 @@ class Agent:
             self.kernel_headers = headers
             log.info("kernel headers: %s", headers)
             loader.load(cfg.pin_dir, cgroup, cfg.sizes, attach=False)
-            if cfg.devices:
-                tc.load(cfg.pin_dir, cfg.sizes, [])  # compiled and pinned; attached later
+            follows = cfg.device_spec not in (None, "", NONE)  # a device may match later
+            if cfg.devices or follows:
+                tc.load(cfg.pin_dir, cfg.sizes, [])  # compiled and pinned; attached with the rest
+        if follows:
+            assert cfg.device_spec is not None
+            # listening before the devices are read again: no change between is missed
+            self.device_watch = DeviceWatch()
+            self.devices = choose_devices(cfg.device_spec, strict=False)
         # the address a remote backend sees for masqueraded flows, before any TC program runs
-        tc.write_devices(cfg.pin_dir, {d.index: (d.first(4), d.first(6)) for d in cfg.devices})
+        tc.write_devices(cfg.pin_dir, self.devices.entries())
         self.maps = BpfMaps(cfg.pin_dir)
         self._write_node_netns()
         self.programmed = self.maps.read()
         self.state = runstate.RunState(str(cfg.pin_dir), str(cgroup), self.source.description)
-        self.state.devices = {d.name: [str(a) for a in d.addresses] for d in cfg.devices}
-        self.state.node_port_addresses = [str(a) for a in cfg.node.node_port_addresses]
+        self._record_devices()
         self.state.node = node_record(cfg.node)
         self.state.kubeconfig = cfg.kubeconfig
         self.state.kernel_headers = str(self.kernel_headers)
@@ -192,6 +215,59 @@ class Agent:
             len(self.programmed.services),
             len(self.programmed.backends),
         )
+
+    def _record_devices(self) -> None:
+        self.state.devices = {d.name: [str(a) for a in d.addresses] for d in self.devices.serve}
+        self.state.reply_devices = {
+            d.name: [str(a) for a in d.addresses] for d in self.devices.replies
+        }
+        self.state.node_port_addresses = [str(a) for a in self.node.node_port_addresses]
+
+    def _attach_devices(self, names: list[str]) -> None:
+        """The TC programs on these devices: a --devices device must take them; a device
+        for replies that cannot (another tool's `ingress` qdisc) is reported and skipped."""
+        serve = {d.name for d in self.devices.serve}
+        tc.attach(self.config.pin_dir, [n for n in names if n in serve])
+        for name in (n for n in names if n not in serve):
+            try:
+                tc.attach(self.config.pin_dir, [name])
+            except host.SetupError as err:
+                log.warning("replies of masqueraded flows through %s: %s", name, err)
+
+    def follow_devices(self) -> bool:
+        """Read the devices again (after a netlink event, or the Node's InternalIPs
+        changed): kpr_devices, the TC attachments and the NodePort addresses follow.
+        Whether anything changed."""
+        cfg = self.config
+        if self.device_watch is None or cfg.device_spec is None or self.stood_down():
+            return False
+        choice = choose_devices(cfg.device_spec, self.node_addresses, strict=False)
+        if choice == self.devices:
+            return False
+        before, self.devices = self.devices, choice
+        # the flags and addresses first: a device new to the program must not serve
+        # frontends for a moment as a --devices device
+        tc.write_devices(cfg.pin_dir, choice.entries())
+        if self._attached:
+            self._attach_devices([n for n in choice.names if n not in before.names])
+            gone = [n for n in before.names if n not in choice.names]
+            if gone:
+                tc.detach(gone)
+        addresses = node_port_addresses(list(choice.serve), cfg.node_port_cidrs)
+        if addresses != self.node.node_port_addresses:
+            self.node = dataclasses.replace(self.node, node_port_addresses=addresses)
+            self.source.resync()  # NodePort frontends on the new addresses: translate all
+        log.info(
+            "devices now: %s (frontends served), %s (replies of masqueraded flows); "
+            "NodePorts answer on %s",
+            ", ".join(d.name for d in choice.serve) or "none",
+            ", ".join(d.name for d in choice.replies) or "none",
+            ", ".join(str(a) for a in self.node.node_port_addresses) or "no address",
+        )
+        with self._state_lock:
+            self._record_devices()
+            self.state.save()
+        return True
 
     def _write_node_netns(self) -> None:
         """bind() to a NodePort number is refused in the node's network namespace only,
@@ -216,15 +292,20 @@ class Agent:
         if previous and Path(previous.cgroup) != self.cgroup:
             moved = loader.detach(Path(previous.cgroup))
             log.info("detached %d programs from the previous cgroup %s", moved, previous.cgroup)
-        names = [d.name for d in cfg.devices]
+        names = self.devices.names
         if names:
-            tc.attach(cfg.pin_dir, names)
+            self._attach_devices(names)
             log.info(
-                "TC programs on %s; NodePorts answer on %s",
-                ", ".join(names),
-                ", ".join(str(a) for a in cfg.node.node_port_addresses) or "no address",
+                "TC programs on %s, and for the replies of masqueraded flows on %s; "
+                "NodePorts answer on %s",
+                ", ".join(d.name for d in self.devices.serve),
+                ", ".join(d.name for d in self.devices.replies) or "no other device",
+                ", ".join(str(a) for a in self.node.node_port_addresses) or "no address",
             )
-        dropped = [n for n in (previous.devices if previous else {}) if n not in names]
+        if self.device_watch is not None:
+            self.device_watch.start()
+        earlier = {**previous.devices, **previous.reply_devices} if previous else {}
+        dropped = [n for n in earlier if n not in names]
         if dropped:
             log.info("TC programs taken off %d devices no longer configured", tc.detach(dropped))
         removed = loader.remove_other_versions(cfg.pin_dir)
@@ -253,6 +334,7 @@ class Agent:
         for key in snapshot.changed:
             self.desired.health_checks.pop(key, None)
             self.desired.no_local_endpoints.pop(key, None)
+            self.desired.local_endpoints.pop(key, None)
             for frontend in self.frontends_of.pop(key, set()):
                 self.desired.frontends.pop(frontend, None)
                 self.desired.held.discard(frontend)
@@ -284,6 +366,7 @@ class Agent:
             touched.add(frontend)
         self.desired.health_checks.update(partial.health_checks)
         self.desired.no_local_endpoints.update(partial.no_local_endpoints)
+        self.desired.local_endpoints.update(partial.local_endpoints)
         return touched
 
     # --- syncing ----------------------------------------------------------------
@@ -297,6 +380,11 @@ class Agent:
     def _sync(self, snapshot: Snapshot | None, full: bool) -> SyncResult:
         assert self.maps is not None, "start() first"
         began = time.perf_counter()
+        if snapshot is not None and snapshot.node_addresses != self.node_addresses:
+            # `--devices auto` takes the devices holding them: read the devices again
+            self.node_addresses = snapshot.node_addresses
+            if self.device_watch is not None:
+                self.device_watch.changed.set()
         touched = self._translate(snapshot) if snapshot is not None else set()
         full = full or touched is None
         drift = pins = attachments = 0
@@ -313,6 +401,9 @@ class Agent:
         problems = self.source_problems + self.desired.problems
         self._report(problems)
         udp_before = self._udp_backends(touched)
+        if snapshot is not None or full:
+            # before the backends: a flow to a new local one must not be masqueraded
+            self._sync_local_endpoints(reread=full)
         steps = plan(self.programmed, self.desired, touched)
         writes = steps.writes()
         result = execute(self.maps, steps)
@@ -393,6 +484,15 @@ class Agent:
             observer.synced(outcome)
         return outcome
 
+    def _sync_local_endpoints(self, reread: bool) -> None:
+        """Which endpoints the TC path reaches without masquerading: this node's. The map
+        is compared with what was written on a change, and read again with `reread`."""
+        assert self.maps is not None
+        wanted = set().union(*self.desired.local_endpoints.values())
+        if reread or wanted != self._local_endpoints:
+            self.maps.sync_local_endpoints(wanted)
+            self._local_endpoints = wanted
+
     def _sync_node_ports(self) -> None:
         """What bind() refuses (NodePorts in use) and what the health check servers say."""
         assert self.maps is not None
@@ -414,8 +514,8 @@ class Agent:
             return 0
         pin_dir = self.config.pin_dir
         restored = self.maps.repin() + loader.repin_programs(pin_dir, self.cgroup)
-        if self.config.devices:
-            restored += tc.repin(pin_dir, [d.name for d in self.config.devices])
+        if self.devices.serve:
+            restored += tc.repin(pin_dir, self.devices.names)
         if restored:
             log.warning("pins removed behind kpr's back, pinned again: %s", ", ".join(restored))
             self.repairs += len(restored)
@@ -438,12 +538,12 @@ class Agent:
             loader.reattach(self.config.pin_dir, self.cgroup, missing)
             self.repairs += len(missing)
             repaired += len(missing)
-        names = [d.name for d in self.config.devices]
+        names = self.devices.names
         if names:
             gone = [n for n, ok in tc.attached(names, self.config.pin_dir).items() if not ok]
             if gone:
                 log.warning("TC programs gone from %s; attaching them again", ", ".join(gone))
-                tc.attach(self.config.pin_dir, gone)
+                self._attach_devices(gone)
                 self.repairs += len(gone)
                 repaired += len(gone)
         return repaired
@@ -582,9 +682,20 @@ class Agent:
                     stop.wait(hold)
             elif self.last_sync and until_full <= 0:
                 self._sync_unless_removed(None, full=True)
+                if self.device_watch is not None:
+                    self.device_watch.changed.set()  # and the devices, should an event be lost
             elif self._unsaved is not None and time.monotonic() - self._saved_at > 5.0:
                 self._save_state()
             self._save_source_status()
+            watch = self.device_watch
+            if watch is not None and watch.changed.is_set():
+                watch.changed.clear()
+                try:
+                    self.follow_devices()
+                except Exception as err:  # the devices are read again at the next event
+                    log.error("could not follow the devices' change: %s", err)
+        if self.device_watch is not None:
+            self.device_watch.close()
         self.source.stop()
         if self.stood_down():
             # nothing of kpr stays on the node: not even the run state it wrote since

@@ -127,8 +127,10 @@ def run(
         str,
         typer.Option(
             help="Devices to serve NodePort, LoadBalancer and external IPs on (TC), "
-            'comma-separated; "auto": those the default routes leave through; "none": '
-            "socket load balancing only. NodePorts answer on these devices' addresses."
+            'comma-separated names or patterns (eth*); "auto": those the default routes '
+            'leave through and those holding the Node\'s InternalIPs; "none": socket load '
+            "balancing only. NodePorts answer on these devices' addresses. Followed at run "
+            "time, as the devices and their addresses change."
         ),
     ] = "auto",
     external_ip_cidrs: Annotated[
@@ -146,7 +148,7 @@ def run(
     from kpr.agent import Agent, AgentConfig
     from kpr.config import ConfigError, ProxyConfig, load_config, split_host_port
     from kpr.datapath import abi
-    from kpr.devices import node_port_addresses, read_devices, select_devices
+    from kpr.devices import choose_devices, node_port_addresses
     from kpr.health import HealthServer, ProxyHealth
     from kpr.healthcheck import HealthCheckServers
     from kpr.metrics import Metrics, MetricsServer
@@ -206,7 +208,7 @@ def run(
                 on_invalid=lambda kind: metrics.invalid_objects_total.labels(kind=kind).inc(),
                 report=report,
             )
-        chosen = select_devices(devices, *read_devices())
+        chosen = choose_devices(devices)
         config = AgentConfig(
             pin_dir=bpffs,
             cgroup=cgroup,
@@ -214,11 +216,16 @@ def run(
             node=NodeContext(
                 name=node,
                 proxy_name=proxy_name,
-                node_port_addresses=node_port_addresses(chosen, proxy.node_port_addresses),
+                node_port_addresses=node_port_addresses(
+                    list(chosen.serve), proxy.node_port_addresses
+                ),
                 localhost_node_ports=proxy.localhost_node_ports,
                 external_ip_cidrs=_cidrs("--external-ip-cidrs", external_ip_cidrs),
             ),
-            devices=tuple(chosen),
+            devices=chosen.serve,
+            reply_devices=chosen.replies,
+            device_spec=devices,
+            node_port_cidrs=list(proxy.node_port_addresses),
             min_sync_period=proxy.min_sync_period,
             sync_period=proxy.sync_period,
             kubeconfig=kubeconfig or proxy.kubeconfig,
@@ -359,11 +366,12 @@ def cleanup(
         for target in sorted(targets):
             count = loader.detach(target)
             typer.echo(f"detached {count} programs from {target}")
-        if state and state.devices:
+        on = [*state.devices, *state.reply_devices] if state else []
+        if on:
             from kpr.datapath import tc
 
-            count = tc.detach(state.devices)
-            typer.echo(f"detached {count} TC filters from {', '.join(state.devices)}")
+            count = tc.detach(on)
+            typer.echo(f"detached {count} TC filters from {', '.join(on)}")
         loader.unpin_all(bpffs)
         runstate.remove(bpffs, marker=not running)  # (a running agent removes it at exit)
     typer.echo(f"removed {bpffs}")

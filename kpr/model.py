@@ -254,6 +254,7 @@ class Snapshot:
     changed: set[ServiceKey] | None = None
     zone: str | None = None  # this node's topology.kubernetes.io/zone
     node_deleting: bool = False
+    node_addresses: tuple[IPAddress, ...] = ()  # this Node's InternalIPs (status.addresses)
 
 
 @dataclass
@@ -273,3 +274,6 @@ class Translation:
     # Service ports (per IP family) with a Local traffic policy, endpoints, and none on
     # this node: (internal, external) counts, kube-proxy's no_local_endpoints_total
     no_local_endpoints: dict[ServiceKey, tuple[int, int]] = field(default_factory=dict)
+    # Services with external frontends: their endpoints' addresses on this node, whose
+    # external flows keep the client address (the others' are masqueraded)
+    local_endpoints: dict[ServiceKey, frozenset[IPAddress]] = field(default_factory=dict)

@@ -132,6 +132,8 @@ class RunState:
     conflicts_not_checked: list[str] = field(default_factory=list)  # tools that could not look
     # the TC program's devices: name -> addresses; NodePorts answer on node_port_addresses
     devices: dict[str, list[str]] = field(default_factory=dict)
+    # the other devices it is on, for the replies of masqueraded flows: name -> addresses
+    reply_devices: dict[str, list[str]] = field(default_factory=dict)
     node_port_addresses: list[str] = field(default_factory=list)
     # seconds from the source's first complete list to the maps programmed
     first_sync_after_list: float | None = None

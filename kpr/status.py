@@ -99,18 +99,24 @@ def report(pin_dir: Path) -> dict:
             "node_port_addresses": state.node_port_addresses,
             "kernel_headers": state.kernel_headers,
         }
-    devices = {}
-    if state and state.devices:
-        on = tc.attached(list(state.devices), pin_dir)
+    devices, reply_devices = {}, {}
+    if state and (state.devices or state.reply_devices):
+        on = tc.attached([*state.devices, *state.reply_devices], pin_dir)
         devices = {
             name: {"addresses": addresses, "attached": on[name]}
             for name, addresses in state.devices.items()
+        }
+        # where masqueraded flows may leave, for their replies: no frontend served there
+        reply_devices = {
+            name: {"addresses": addresses, "attached": on[name]}
+            for name, addresses in state.reply_devices.items()
         }
     return {
         "pin_dir": str(pin_dir),
         "agent": agent,
         "attached": loader.attached_hooks(Path(state.cgroup), pin_dir) if state else {},
         "devices": devices,
+        "reply_devices": reply_devices,
         "services": services,
         "maps": {
             name: {"entries": used, "max_entries": size, "fill": round(used / size, 4)}
@@ -154,6 +160,10 @@ def render(status: dict) -> str:
             # TC filters are per network namespace: `kpr status` must run in the agent's
             on = "TC attached" if device["attached"] else "TC NOT ATTACHED (or another netns)"
             lines.append(f"device:    {name} ({', '.join(device['addresses'])}): {on}")
+        for name, device in status.get("reply_devices", {}).items():
+            on = "TC attached" if device["attached"] else "TC NOT ATTACHED (or another netns)"
+            where = ", ".join(device["addresses"])
+            lines.append(f"device:    {name} ({where}): {on}, masqueraded flows' replies only")
         if agent.get("node_port_addresses"):
             lines.append(f"nodeports: on {', '.join(agent['node_port_addresses'])}")
     else:

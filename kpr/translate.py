@@ -80,6 +80,15 @@ def _translate_service(
     no_local = no_local_endpoints(service, slices_of, node)
     if no_local != (0, 0):
         translation.no_local_endpoints[(service.namespace, service.name)] = no_local
+    if service.type in ("NodePort", "LoadBalancer") or service.external_ips:
+        local = frozenset(
+            endpoint.addresses[0]
+            for endpoint_slice in slices
+            for endpoint in endpoint_slice.endpoints
+            if is_local(endpoint, node)
+        )
+        if local:
+            translation.local_endpoints[(service.namespace, service.name)] = local
     for index, port in enumerate(service.ports):
         field = f"spec.ports[{index}]"
         if port.protocol not in PROTOCOLS:

@@ -12,6 +12,10 @@ sees the lab's devices and routes:
       remote pods 10.244.1.0/24 via 192.0.2.2, fd00:10:244:1::/64 via 2001:db8:1::2
     pod0 (a local pod's veth, not in kpr_devices)  10.244.0.1/24  fd00:10:244::1/64
       local pods 10.244.0.0/24, fd00:10:244::/64 (neighbours known)
+    ext1 (a second NIC, or an overlay device)  198.18.0.1/24  2001:db8:18::1/64
+      remote pods 10.244.2.0/24 via 198.18.0.2, fd00:10:244:2::/64 via 2001:db8:18::2
+    bare0 (a device without addresses, e.g. WireGuard)
+      remote pods 10.244.3.0/24, fd00:10:244:3::/64 on the link
 
 The other ends of the veth pairs stay in the namespace, down to nothing but up.
 """
@@ -49,6 +53,7 @@ CLIENT_MAC = "02:00:00:00:00:c1"
 GW_MAC = "02:00:00:00:00:fe"
 OTHER_NODE_MAC = "02:00:00:00:00:02"
 POD_MAC = "02:00:00:00:00:a0"
+PEER_MAC = "02:00:00:00:00:03"  # the other end of ext1 and bare0
 
 NODE4, NODE6 = "192.0.2.1", "2001:db8:1::1"
 GW4, GW6 = "192.0.2.254", "2001:db8:1::fe"
@@ -57,10 +62,31 @@ CLIENT4, CLIENT6 = "198.51.100.7", "2001:db8:c::7"
 CLIENT4_NO_NEIGH = "203.0.113.7"  # routed via 192.0.2.253, whose MAC is not known
 LOCAL_POD4, LOCAL_POD6 = "10.244.0.10", "fd00:10:244::10"
 REMOTE_POD4, REMOTE_POD6 = "10.244.1.20", "fd00:10:244:1::20"
+EXT1_4, EXT1_6 = "198.18.0.1", "2001:db8:18::1"
+SECOND_NIC_POD4, SECOND_NIC_POD6 = "10.244.2.20", "fd00:10:244:2::20"  # routed via ext1
+BARE_POD4, BARE_POD6 = "10.244.3.30", "fd00:10:244:3::30"  # routed via bare0
+# this node's pods: the agent puts their addresses in kpr_local_endpoints (nodeName)
+LOCAL_NETS = (ipaddress.ip_network("10.244.0.0/24"), ipaddress.ip_network("fd00:10:244::/64"))
 
 _SETUP = """
 link add ext0 address {node_mac} type veth peer name ext0p
 link add pod0 type veth peer name pod0p
+link add ext1 address {node_mac} type veth peer name ext1p
+link add bare0 address {node_mac} type veth peer name bare0p
+link set ext1 up
+link set ext1p up
+link set bare0 up
+link set bare0p up
+addr add 198.18.0.1/24 dev ext1
+addr add 2001:db8:18::1/64 dev ext1 nodad
+route add 10.244.2.0/24 via 198.18.0.2 dev ext1
+route add fd00:10:244:2::/64 via 2001:db8:18::2 dev ext1
+neigh add 198.18.0.2 lladdr {peer_mac} dev ext1 nud permanent
+neigh add 2001:db8:18::2 lladdr {peer_mac} dev ext1 nud permanent
+route add 10.244.3.0/24 dev bare0
+route add fd00:10:244:3::/64 dev bare0
+neigh add 10.244.3.30 lladdr {peer_mac} dev bare0 nud permanent
+neigh add fd00:10:244:3::30 lladdr {peer_mac} dev bare0 nud permanent
 link set lo up
 link set ext0 up
 link set ext0p up
@@ -126,7 +152,11 @@ class Lab:
     def start(self) -> Lab:
         subprocess.run(["ip", "netns", "add", self.netns], check=True)
         commands = _SETUP.format(
-            node_mac=NODE_MAC, gw_mac=GW_MAC, other_mac=OTHER_NODE_MAC, pod_mac=POD_MAC
+            node_mac=NODE_MAC,
+            gw_mac=GW_MAC,
+            other_mac=OTHER_NODE_MAC,
+            pod_mac=POD_MAC,
+            peer_mac=PEER_MAC,
         )
         batch = "\n".join(line for line in commands.splitlines() if line.strip()) + "\n"
         subprocess.run(
@@ -151,7 +181,7 @@ class Lab:
             check=True,
         )
         with self.inside():
-            for name in ("ext0", "pod0", "lo"):
+            for name in ("ext0", "pod0", "ext1", "bare0", "lo"):
                 self.ifindex[name] = socket_if_nametoindex(name)
         host.ensure_bpffs(self.pin_dir)
         self.bpf = tc.compile_and_pin(
@@ -233,6 +263,7 @@ class Lab:
             "kpr_devices",
             "kpr_affinity_ext",
             "kpr_source_ranges",
+            "kpr_local_endpoints",
         ):
             table = self.table(name)
             for key in list(table.keys()):
@@ -248,11 +279,11 @@ class Lab:
         stats = self.table("kpr_stats")
         return sum(stats[stats.Key(index)])
 
-    def set_devices(self, devices: dict[str, tuple[str | None, str | None]]) -> None:
+    def set_devices(self, devices: dict[str, tuple]) -> None:
+        """kpr_devices by device name: (IPv4, IPv6[, flags]); "node": the node's address."""
+        index = {**self.ifindex, "node": abi.NODE_ADDRESS_INDEX}
         with self.inside():
-            tc.write_devices(
-                self.pin_dir, {self.ifindex[name]: value for name, value in devices.items()}
-            )
+            tc.write_devices(self.pin_dir, {index[name]: value for name, value in devices.items()})
 
     def add_service(
         self,
@@ -273,6 +304,10 @@ class Lab:
             self._next_id += 1
             backend_type = abi.Backend6 if v6 else abi.Backend4
             backend = backend_type(port=port)
+            if any(ipaddress.ip_address(address) in net for net in LOCAL_NETS):
+                key = abi.LocalEndpointKey(family=family(address))
+                ct.memmove(key.address, addr_bytes(address), len(addr_bytes(address)))
+                self.put("kpr_local_endpoints", key, ct.c_uint8(1))
             ct.memmove(backend.address, addr_bytes(address), len(addr_bytes(address)))
             self.put("kpr_backends6" if v6 else "kpr_backends4", ct.c_uint32(backend_id), backend)
             ids.append(backend_id)

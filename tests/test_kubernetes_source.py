@@ -106,3 +106,29 @@ def test_master_stays_the_address_with_in_cluster_credentials(tmp_path, monkeypa
         for _ in range(3):
             core.list_namespaced_service("default", _request_timeout=5)
         assert core.api_client.configuration.host == server.url
+
+
+def test_the_nodes_internal_ips_come_with_the_snapshot_and_a_change_resyncs(
+    source: KubernetesSource,
+) -> None:
+    addresses = [
+        {"type": "Hostname", "address": "node-1"},
+        {"type": "InternalIP", "address": "192.168.50.1"},
+        {"type": "ExternalIP", "address": "203.0.113.1"},
+        {"type": "InternalIP", "address": "fd00:50::1"},
+    ]
+    source._event("node", "MODIFIED", node("2", status={"addresses": addresses}))
+    assert source.wait(0)
+    snapshot = source.poll()
+    assert snapshot is not None and snapshot.changed is None
+    assert [str(a) for a in snapshot.node_addresses] == ["192.168.50.1", "fd00:50::1"]
+    source._event("node", "MODIFIED", node("3", status={"addresses": addresses}))
+    assert source.poll() is None  # the same addresses: nothing to do
+
+
+def test_resync_makes_the_next_poll_return_everything(source: KubernetesSource) -> None:
+    assert source.poll() is None
+    source.resync()
+    assert source.wait(0)
+    snapshot = source.poll()
+    assert snapshot is not None and snapshot.changed is None and len(snapshot.services) == 1

@@ -239,6 +239,82 @@ def test_device_without_an_address_of_the_family_does_not_masquerade(lab):
     assert_tuple(result.data, a["client"], 40000, a["remote"], 8080)
 
 
+# --- the egress device: masquerade whatever device the route to the backend leaves by ---
+
+SECOND_NIC = {4: (h.EXT1_4, h.SECOND_NIC_POD4), 6: (h.EXT1_6, h.SECOND_NIC_POD6)}
+BARE = {4: h.BARE_POD4, 6: h.BARE_POD6}
+
+
+def node_and_second_nic(lab) -> None:
+    """As the agent writes kpr_devices: the --devices device (ext0), the node's address,
+    and ext1, a device kpr is on for the replies only (a second NIC, an overlay)."""
+    lab.set_devices(
+        {
+            "ext0": (h.NODE4, h.NODE6),
+            "node": (h.NODE4, h.NODE6),
+            "ext1": (h.EXT1_4, h.EXT1_6, abi.DEVICE_F_REPLIES),
+        }
+    )
+
+
+@pytest.mark.parametrize("version,protocol", MATRIX, ids=IDS)
+def test_flow_to_a_backend_behind_another_device_is_masqueraded_to_that_devices_address(
+    lab, version, protocol
+):
+    a = FAMILIES[version]
+    device_address, pod = SECOND_NIC[version]
+    node_and_second_nic(lab)
+    lab.add_service(Frontend(a["node"], 30080, protocol), [(pod, 8080)])
+
+    out = lab.ingress(frame(a["client"], a["node"], 40000, 30080, protocol))
+    assert out.retval == REDIRECT
+    nat_port = l4_layer(Ether(out.data)).sport
+    assert_tuple(out.data, device_address, nat_port, pod, 8080)  # as MASQUERADE picks it
+    assert (Ether(out.data).src, Ether(out.data).dst) == (h.NODE_MAC, h.PEER_MAC)
+
+    # the reply comes back on ext1, to ext1's address: to the client from the NodePort
+    reply = frame(pod, device_address, 8080, nat_port, protocol, flags="SA", src_mac=h.PEER_MAC)
+    back = lab.ingress(reply, device="ext1")
+    assert back.retval == REDIRECT
+    assert_tuple(back.data, a["node"], 30080, a["client"], 40000)
+    assert (Ether(back.data).src, Ether(back.data).dst) == (h.NODE_MAC, h.GW_MAC)
+
+
+@pytest.mark.parametrize("version", [4, 6])
+def test_a_backend_behind_a_device_without_an_address_is_masqueraded_to_the_node_address(
+    lab, version
+):
+    a = FAMILIES[version]
+    node_and_second_nic(lab)  # bare0 has no entry: it has no address
+    lab.add_service(Frontend(a["node"], 30080, TCP_P), [(BARE[version], 8080)])
+    out = lab.ingress(frame(a["client"], a["node"], 40000, 30080, TCP_P))
+    assert out.retval == REDIRECT
+    assert_tuple(out.data, a["node"], Ether(out.data)[TCP].sport, BARE[version], 8080)
+
+
+def test_a_local_backend_keeps_the_client_address_whatever_its_route(lab):
+    a = FAMILIES[4]
+    node_and_second_nic(lab)
+    lab.add_service(Frontend(a["node"], 30080, TCP_P), [(a["local"], 8080)])
+    lab.set_devices(
+        {"ext0": (h.NODE4, h.NODE6), "node": (h.NODE4, h.NODE6), "pod0": ("10.244.0.1", None, 1)}
+    )  # even when the agent is on its device too (a bridge with an address)
+    out = lab.ingress(frame(a["client"], a["node"], 40000, 30080, TCP_P))
+    assert out.retval == PASS
+    assert_tuple(out.data, a["client"], 40000, a["local"], 8080)
+
+
+def test_a_replies_only_device_serves_no_frontend(lab):
+    a = FAMILIES[4]
+    node_and_second_nic(lab)
+    lab.add_service(Frontend(a["node"], 30080, TCP_P), [(a["local"], 8080)])
+    packet = frame(a["client"], a["node"], 40000, 30080, TCP_P)
+    untouched = lab.ingress(packet, device="ext1")
+    assert (untouched.retval, untouched.data) == (PASS, packet)
+    assert lab.stat("external_translated") == 0
+    assert lab.ingress(packet).retval == PASS and lab.stat("external_translated") == 1
+
+
 @pytest.mark.parametrize("local", [True, False], ids=["local", "remote"])
 def test_udp_over_ipv4_without_checksum_keeps_none(lab, local):
     a = FAMILIES[4]

@@ -768,3 +768,13 @@ def test_no_local_endpoints_are_counted_per_port_and_policy_as_kube_proxy():
     local = endpoint_slice(endpoint("10.244.1.11", node_name="node-1"), ports=slice_ports)
     assert translate([svc], [local], EXTERNAL_NODE).no_local_endpoints == {}
     assert translate([svc], [], EXTERNAL_NODE).no_local_endpoints == {}
+
+
+def test_endpoints_on_this_node_of_services_with_external_frontends_are_listed():
+    """The TC path keeps the client address for these only: every other external flow is
+    masqueraded (externalTrafficPolicy Cluster), whatever device it leaves by."""
+    svc, eps = _external_setup(type="NodePort")
+    local = translate([svc], [eps], EXTERNAL_NODE).local_endpoints
+    assert local == {("default", "web"): frozenset({ip_address("10.244.1.11")})}
+    plain = translate([service(ports=(HTTP_NP,))], [eps], EXTERNAL_NODE)
+    assert plain.local_endpoints == {}  # ClusterIP only: the TC path never sees it

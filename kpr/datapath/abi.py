@@ -177,8 +177,16 @@ class Nat(ct.Structure):
     ]
 
 
+DEVICE_F_REPLIES = 1 << 0  # KPR_DEVICE_F_REPLIES: only masqueraded flows' replies there
+NODE_ADDRESS_INDEX = 0  # the kpr_devices entry of the node's address (no device has index 0)
+
+
 class Device(ct.Structure):
-    _fields_ = [("address4", ct.c_uint8 * 4), ("address6", ct.c_uint8 * 16), ("pad", ct.c_uint32)]
+    _fields_ = [
+        ("address4", ct.c_uint8 * 4),
+        ("address6", ct.c_uint8 * 16),
+        ("flags", ct.c_uint32),
+    ]
 
 
 class AffinityExtKey(ct.Structure):
@@ -199,6 +207,10 @@ class NodePortKey(ct.Structure):
 
 class Config(ct.Structure):
     _fields_ = [("node_netns_cookie", ct.c_uint64)]
+
+
+class LocalEndpointKey(ct.Structure):
+    _fields_ = [("address", ct.c_uint8 * 16), ("family", ct.c_uint8), ("pad", ct.c_uint8 * 3)]
 
 
 @dataclass(frozen=True)
@@ -286,13 +298,14 @@ MAPS: dict[str, MapSpec] = {
         ),
         _spec("kpr_node_ports", BPF_MAP_TYPE_HASH, NodePortKey, ct.c_uint8, 65536),
         _spec("kpr_config", BPF_MAP_TYPE_ARRAY, ct.c_uint32, Config, 1),
+        _spec("kpr_local_endpoints", BPF_MAP_TYPE_HASH, LocalEndpointKey, ct.c_uint8, 65536),
     )
 }
 
 
 # Maps added to this ABI version after its first release: a pin directory of an older
 # build lacks them until the agent of this one compiles (and so creates) them.
-ADDED_MAPS = {"kpr_config"}
+ADDED_MAPS = {"kpr_config", "kpr_local_endpoints"}
 
 # socket local storage (kpr_sock_peer): no entries to read or size, but pinned like the rest
 SOCK_PEER_PIN = f"v{ABI_VERSION}_sock_peer"
@@ -366,7 +379,9 @@ BACKEND4 = struct.Struct("<4sHxx")  # address, port; also struct kpr_revnat4
 BACKEND6 = struct.Struct("<16sHxx")
 ID = struct.Struct("<I")
 SLOT_BLOCK = struct.Struct(f"<{BLOCK_SLOTS}I")  # struct kpr_slot_block
-DEVICE = struct.Struct("<4s16sxxxx")  # address4, address6
+DEVICE = struct.Struct("<4s16sxxxx")  # address4, address6 (flags zero)
+DEVICE_FLAGS = struct.Struct("<4s16sI")  # address4, address6, flags
 SOURCE_RANGE_KEY = struct.Struct("<II16s")  # prefixlen, service_id, address
 NODE_PORT_KEY = struct.Struct("<HBx")  # port, protocol
 CONFIG = struct.Struct("<Q")  # struct kpr_config: node_netns_cookie
+LOCAL_ENDPOINT_KEY = struct.Struct("<16sB3x")  # address (IPv4 in the first 4 bytes), family

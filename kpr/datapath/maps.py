@@ -22,7 +22,7 @@ from typing import NamedTuple, Protocol
 
 from kpr.datapath import abi, bpfsys
 from kpr.datapath.plan import Master, Plan, ProgrammedService, ProgrammedState, SourceRange
-from kpr.model import Backend, Frontend, by_key
+from kpr.model import Backend, Frontend, IPAddress, by_key
 
 log = logging.getLogger(__name__)
 
@@ -613,6 +613,22 @@ class BpfMaps:
         pinned = self.maps["kpr_node_ports"]
         keys = {abi.NODE_PORT_KEY.pack(port, abi.PROTOCOL_NUMBERS[p]) for port, p in wanted}
         size = abi.NODE_PORT_KEY.size
+        have = {
+            chunk[i : i + size]
+            for chunk, _, count in pinned.dump()
+            for i in range(0, count * size, size)
+        }
+        for key in keys - have:
+            pinned.update_packed(key, b"\x01")
+        for key in have - keys:
+            pinned.delete_packed(key)
+
+    def sync_local_endpoints(self, wanted: set[IPAddress]) -> None:
+        """Make kpr_local_endpoints hold exactly these addresses."""
+        pinned = self.maps["kpr_local_endpoints"]
+        pack = abi.LOCAL_ENDPOINT_KEY.pack
+        keys = {pack(a.packed, a.version) for a in wanted}
+        size = abi.LOCAL_ENDPOINT_KEY.size
         have = {
             chunk[i : i + size]
             for chunk, _, count in pinned.dump()

@@ -305,17 +305,20 @@ def _packed(address: Address, version: int) -> bytes:
 
 
 def write_devices(
-    target: Path | bpfsys.PinnedMap, devices: Mapping[int, tuple[Address, Address]]
+    target: Path | bpfsys.PinnedMap,
+    devices: Mapping[int, tuple[Address, Address] | tuple[Address, Address, int]],
 ) -> None:
     """Make kpr_devices hold exactly `devices`: ifindex -> (IPv4, IPv6) address a
-    remote backend sees as the source of masqueraded flows (None: that family is
-    not masqueraded). `target`: the pin directory, or the opened map."""
+    backend on another node sees as the source of flows masqueraded out of that
+    device (None: the node's, at abi.NODE_ADDRESS_INDEX; none there either: that
+    family is not masqueraded), and optionally abi.DEVICE_F_* flags. `target`: the
+    pin directory, or the opened map."""
     spec = abi.MAPS["kpr_devices"]
     owned = not isinstance(target, bpfsys.PinnedMap)
     table = bpfsys.PinnedMap.open(target / spec.pin, ct.c_uint32, abi.Device) if owned else target
     try:
-        for ifindex, (ipv4, ipv6) in devices.items():
-            value = abi.DEVICE.pack(_packed(ipv4, 4), _packed(ipv6, 6))
+        for ifindex, (ipv4, ipv6, *flags) in devices.items():
+            value = abi.DEVICE_FLAGS.pack(_packed(ipv4, 4), _packed(ipv6, 6), sum(flags))
             table.update_packed(abi.ID.pack(ifindex), value)
         stale = []
         for keys, _, count in table.dump():

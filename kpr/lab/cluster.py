@@ -10,6 +10,14 @@ Layout (N nodes; i = 1..N)::
                    br0  10.244.i.1/24  fd00:244:i::1/64     (kpr.lab.netns.Lab: pods)
                    routes to the other nodes' pod networks via their eth0 address
 
+The pod networks may instead be carried by another device, as in real clusters
+(`pod_network`):
+
+    "vxlan"       vxlan0 (VNI 42 over eth0) 172.31.0.i/24 fd00:31::i/64: the routes to the
+                  other nodes' pods go via their vxlan0 address (a flannel-like overlay)
+    "second-nic"  eth1 on a second bridge "lan2" 192.168.51.i/24 fd00:51::i/64: the routes
+                  go via their eth1 address (a second NIC kpr's --devices does not name)
+
 Each node is a `kpr.lab.netns.Lab` (its own netns, pods and client cgroup) joined to the
 node network; each node runs its own kpr agent (`Cluster.agent_command`): its own cgroup,
 pin directory and devices. The client reaches LoadBalancer and external IPs (LB_NET) through
@@ -30,6 +38,12 @@ from kpr.lab.netns import Lab, _delete_netns, _disable_ipv6_dad, _ip_batch, _net
 LAN4, LAN6 = "192.168.50.", "fd00:50::"
 CLIENT_HOSTS = (100, 101)  # two client addresses: source ranges allow one and not the other
 LB_NET4, LB_NET6 = "192.168.60.0/24", "fd00:60::/64"  # LoadBalancer and external IPs
+POD_NETWORKS = {  # pod_network -> (device, IPv4 prefix, IPv6 prefix) carrying the pod routes
+    "lan": ("eth0", LAN4, LAN6),
+    "vxlan": ("vxlan0", "172.31.0.", "fd00:31::"),
+    "second-nic": ("eth1", "192.168.51.", "fd00:51::"),
+}
+VXLAN_ID, VXLAN_PORT = 42, 4789
 
 
 class Node:
@@ -44,11 +58,21 @@ class Node:
     def netns(self) -> str:
         return self.lab.node_netns
 
+    def pod_network_address(self, pod_network: str, version: int = 4) -> str:
+        """This node's address on the device that carries the pod routes."""
+        _, prefix4, prefix6 = POD_NETWORKS[pod_network]
+        return f"{prefix4 if version == 4 else prefix6}{self.index}"
+
 
 class Cluster:
     """`nodes` nodes with `pods` pods each, a node network and an external client."""
 
-    def __init__(self, nodes: int = 2, pods: int = 2, prefix: str = "kprcl") -> None:
+    def __init__(
+        self, nodes: int = 2, pods: int = 2, prefix: str = "kprcl", pod_network: str = "lan"
+    ) -> None:
+        if pod_network not in POD_NETWORKS:
+            raise ValueError(f"pod_network: one of {', '.join(POD_NETWORKS)}")
+        self.pod_network = pod_network
         self.nodes: list[Node] = []
         self.lan_netns = self.client_netns = ""
         try:
@@ -78,10 +102,10 @@ class Cluster:
         for name in (self.lan_netns, self.client_netns):
             _run(["ip", "netns", "add", name])
             _disable_ipv6_dad(name)
-        _ip_batch(
-            self.lan_netns,
-            ["link set lo up", "link add lan type bridge mcast_snooping 0", "link set lan up"],
-        )
+        lan = ["link set lo up", "link add lan type bridge mcast_snooping 0", "link set lan up"]
+        if self.pod_network == "second-nic":
+            lan += ["link add lan2 type bridge mcast_snooping 0", "link set lan2 up"]
+        _ip_batch(self.lan_netns, lan)
         self._plug(self.client_netns, "c0")
         client = ["link set lo up", "link set eth0 up"]
         for host in CLIENT_HOSTS:
@@ -89,6 +113,7 @@ class Cluster:
         first = self.nodes[0]
         client += [f"route add {LB_NET4} via {first.ipv4}", f"route add {LB_NET6} via {first.ipv6}"]
         _ip_batch(self.client_netns, client)
+        device = POD_NETWORKS[self.pod_network][0]
         for node in self.nodes:
             self._plug(node.netns, f"n{node.index}")
             commands = [
@@ -96,13 +121,41 @@ class Cluster:
                 f"addr add {node.ipv4}/24 dev eth0",
                 f"addr add {node.ipv6}/64 dev eth0 nodad",
             ]
+            if self.pod_network == "second-nic":
+                self._plug(node.netns, f"m{node.index}", bridge="lan2", device="eth1")
+                commands.append("link set eth1 up")
+            if self.pod_network == "vxlan":
+                commands += [
+                    f"link add vxlan0 type vxlan id {VXLAN_ID} local {node.ipv4} "
+                    f"dstport {VXLAN_PORT} dev eth0",
+                    "link set vxlan0 up",
+                ]
+            if self.pod_network != "lan":
+                commands += [
+                    f"addr add {node.pod_network_address(self.pod_network, 4)}/24 dev {device}",
+                    f"addr add {node.pod_network_address(self.pod_network, 6)}/64 dev {device} "
+                    "nodad",
+                ]
             for other in self.nodes:
                 if other is not node:
+                    via4 = other.pod_network_address(self.pod_network, 4)
+                    via6 = other.pod_network_address(self.pod_network, 6)
                     commands += [
-                        f"route add {other.lab.ipv4_net} via {other.ipv4}",
-                        f"route add {other.lab.ipv6_net} via {other.ipv6}",
+                        f"route add {other.lab.ipv4_net} via {via4} dev {device}",
+                        f"route add {other.lab.ipv6_net} via {via6} dev {device}",
                     ]
             _ip_batch(node.netns, commands)
+            if self.pod_network == "vxlan":
+                # the other nodes' VTEPs: broadcast and unknown destinations go to each
+                for other in self.nodes:
+                    if other is not node:
+                        _run(
+                            [
+                                *("nsenter", f"--net=/run/netns/{node.netns}", "bridge", "fdb"),
+                                *("append", "00:00:00:00:00:00", "dev", "vxlan0"),
+                                *("dst", str(other.ipv4)),
+                            ]
+                        )
             _run(
                 [
                     *("ip", "netns", "exec", node.netns, "sysctl", "-q", "-w"),
@@ -111,13 +164,13 @@ class Cluster:
                 ]
             )
 
-    def _plug(self, netns: str, lan_side: str) -> None:
-        """A veth from `netns` (as eth0) to the lan bridge (as `lan_side`)."""
+    def _plug(self, netns: str, lan_side: str, bridge: str = "lan", device: str = "eth0") -> None:
+        """A veth from `netns` (as `device`) to a bridge of the lan netns (as `lan_side`)."""
         _ip_batch(
             self.lan_netns,
             [
-                f"link add {lan_side} type veth peer name eth0 netns {netns}",
-                f"link set {lan_side} master lan up",
+                f"link add {lan_side} type veth peer name {device} netns {netns}",
+                f"link set {lan_side} master {bridge} up",
             ],
         )
 

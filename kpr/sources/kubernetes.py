@@ -21,6 +21,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
+from ipaddress import ip_address
 
 from kubernetes import client
 from kubernetes.client.rest import ApiException
@@ -28,7 +29,15 @@ from kubernetes.watch.watch import iter_resp_lines
 
 from kpr.gcpause import paused_gc
 from kpr.health import node_is_deleting
-from kpr.model import EndpointSlice, ObjectRef, Problem, Service, ServiceKey, Snapshot
+from kpr.model import (
+    EndpointSlice,
+    IPAddress,
+    ObjectRef,
+    Problem,
+    Service,
+    ServiceKey,
+    Snapshot,
+)
 from kpr.objects import ObjectError, parse_endpoint_slice, parse_service
 
 log = logging.getLogger(__name__)
@@ -241,6 +250,7 @@ class _Store:
     everything_changed: bool = True
     zone: str | None = None
     node_deleting: bool = False
+    node_addresses: tuple[IPAddress, ...] = ()  # InternalIPs
     # Service → its slices, keyed by (watcher, slice)
     slices_of: dict[ServiceKey, dict[tuple[str, ObjectRef], EndpointSlice]] = field(
         default_factory=dict
@@ -444,14 +454,16 @@ class KubernetesSource:
 
     def _node(self, obj: dict | None) -> bool:
         """Take what kpr uses from this Node; whether any of it changed (then all of
-        the state is translated again: topology hints depend on the zone)."""
+        the state is translated again: topology hints depend on the zone, the devices
+        of `--devices auto` on the InternalIPs)."""
         metadata = (obj or {}).get("metadata") or {}
         zone = (metadata.get("labels") or {}).get(ZONE_LABEL)
         deleting = obj is not None and node_is_deleting(obj)
+        addresses = internal_ips(obj)
         store = self._store
-        if (zone, deleting) == (store.zone, store.node_deleting):
+        if (zone, deleting, addresses) == (store.zone, store.node_deleting, store.node_addresses):
             return False
-        store.zone, store.node_deleting = zone, deleting
+        store.zone, store.node_deleting, store.node_addresses = zone, deleting, addresses
         store.everything_changed = True
         return True
 
@@ -486,7 +498,13 @@ class KubernetesSource:
                 changed=changed,
                 zone=store.zone,
                 node_deleting=store.node_deleting,
+                node_addresses=store.node_addresses,
             )
+
+    def resync(self) -> None:
+        with self._lock:
+            self._store.everything_changed = True
+        self._changes.set()
 
     def pending(self) -> tuple[int, int]:
         """Services with changes not yet polled, and EndpointSlice changes among them
@@ -508,6 +526,19 @@ class KubernetesSource:
             }
             for w in self.watchers
         }
+
+
+def internal_ips(node: dict | None) -> tuple[IPAddress, ...]:
+    """A Node's status.addresses of type InternalIP (`--devices auto` takes the devices
+    holding them); one that does not parse is left out."""
+    out = []
+    for entry in ((node or {}).get("status") or {}).get("addresses") or []:
+        if isinstance(entry, dict) and entry.get("type") == "InternalIP":
+            try:
+                out.append(ip_address(str(entry.get("address"))))
+            except ValueError:
+                continue
+    return tuple(out)
 
 
 def _ref(resource: str, obj: dict) -> ObjectRef:

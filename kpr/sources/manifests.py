@@ -82,6 +82,9 @@ class ManifestSource:
     def status(self) -> dict:
         return {}  # no watches: the directory is read when it changes
 
+    def resync(self) -> None:
+        self._polled = False  # every poll returns the whole state: the next one too
+
     def poll(self) -> Snapshot | None:
         """A new Snapshot on the first call and after any change; None when nothing changed."""
         stamps = self._scan()
