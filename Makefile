@@ -1,8 +1,8 @@
 # Two commands do all the set-up on a fresh Debian 12 machine, as root:
 #   make demo   -- kpr on its embedded default: a throwaway netns lab, real connections
 #   make test   -- the test suite (unit tests, and real-kernel tests when root)
-# Both run deploy/host-setup.sh first: apt packages, the kernel-headers layout BCC
-# needs, bpffs, and the venv at .venv with the `kpr` command. It is idempotent.
+# Both run deploy/host-setup.sh first: apt packages, the kernel headers kpr ships
+# (for BCC, on a kernel without its own), bpffs, and the venv at .venv with the `kpr` command. It is idempotent.
 
 VENV := .venv
 PYTHON := $(VENV)/bin/python
@@ -17,6 +17,9 @@ demo: setup
 
 test: setup
 	command -v shellcheck >/dev/null && command -v ruby >/dev/null && command -v openssl >/dev/null || { apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends shellcheck ruby openssl; }
+	# The real-node lab: containerd, runc and the CNI plugins on each node; buildah and
+	# debootstrap build its images (no registry); busybox-static and libc6-dev go into them.
+	dpkg -s containerd runc containernetworking-plugins buildah debootstrap busybox-static libc6-dev curl >/dev/null 2>&1 || { apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends containerd runc containernetworking-plugins buildah debootstrap busybox-static libc6-dev curl; }
 	# The real Kubernetes components the lab tests run (cached outside the clone; without Go
 	# it says so, and those tests skip with the reason).
 	$(PYTHON) -m kpr.lab.kube build --if-go

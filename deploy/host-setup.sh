@@ -1,10 +1,10 @@
 #!/bin/sh
 # Idempotent host set-up for kpr on Debian 12 (run as root): the packages kpr
-# needs, the kernel-headers layout BCC compiles against, bpffs, and (with
-# --venv DIR) a virtual environment that sees Debian's BCC bindings.
+# needs, the kernel headers kpr ships (for a kernel without its own), bpffs, and
+# (with --venv DIR) a virtual environment that sees Debian's BCC bindings.
 set -eu
 
-PACKAGES="python3-bpfcc libbpf1 bpftool iproute2 iptables nftables python3-venv gcc make linux-headers-amd64"
+PACKAGES="python3-bpfcc libbpf1 bpftool iproute2 iptables nftables python3-venv gcc make"
 
 missing=""
 for p in $PACKAGES; do
@@ -16,22 +16,14 @@ if [ -n "$missing" ]; then
 	DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends $missing
 fi
 
-# BCC looks for headers at /lib/modules/$(uname -r)/build (and source). When
-# the running kernel has no headers package (as on our VMs), point it at
-# Debian's generic headers: the UAPI structs kpr uses are stable ABI.
-kver=$(uname -r)
-moddir=/lib/modules/$kver
-if [ ! -e "$moddir/build/include/linux/kconfig.h" ] && [ -z "${BCC_KERNEL_SOURCE:-}" ]; then
-	arch_dir=$(ls -d /usr/src/linux-headers-*-amd64 2>/dev/null | sort -V | tail -n1)
-	common_dir=$(ls -d /usr/src/linux-headers-*-common 2>/dev/null | sort -V | tail -n1)
-	if [ -z "$arch_dir" ] || [ -z "$common_dir" ]; then
-		echo "host-setup: no kernel headers under /usr/src; install linux-headers-amd64" >&2
-		exit 1
-	fi
-	mkdir -p "$moddir"
-	ln -sfn "$arch_dir" "$moddir/build"
-	ln -sfn "$common_dir" "$moddir/source"
-	echo "host-setup: $moddir/build -> $arch_dir"
+# The headers BCC compiles kpr's programs against when the node has none of its
+# own (this VM's kernel has no headers package): Debian's generic ones, merged at
+# /usr/lib/kpr/kernel-headers, as in the image. kpr prefers /lib/modules/$(uname -r)
+# and /sys/kernel/kheaders.tar.xz when they are there (kpr/host.py).
+here=$(dirname "$0")
+if ! sh "$here/kernel-headers.sh" 2>/dev/null; then
+	apt-get update -q
+	sh "$here/kernel-headers.sh"
 fi
 
 if ! grep -q " /sys/fs/bpf bpf " /proc/mounts; then

@@ -137,6 +137,7 @@ class Agent:
         self._state_lock = threading.Lock()
         self._attached = False
         self._previous: runstate.RunState | None = None
+        self.kernel_headers: host.KernelHeaders | None = None  # chosen by start()
         self._removed = False  # by `kpr cleanup --force`: programming nothing more
 
     def start(self) -> None:
@@ -154,9 +155,13 @@ class Agent:
             # (type, key, value, max entries) changed by --map-sizes or a new build: a new
             # map is made and filled; the old one serves until the programs are swapped
             log.warning("pinned map replaced: %s", change)
-        loader.load(cfg.pin_dir, cgroup, cfg.sizes, attach=False)
-        if cfg.devices:
-            tc.load(cfg.pin_dir, cfg.sizes, [])  # compiled and pinned; attached with the rest
+        # chosen here, once: the loader children inherit BCC_KERNEL_SOURCE from this process
+        with host.kernel_headers() as headers:
+            self.kernel_headers = headers
+            log.info("kernel headers: %s", headers)
+            loader.load(cfg.pin_dir, cgroup, cfg.sizes, attach=False)
+            if cfg.devices:
+                tc.load(cfg.pin_dir, cfg.sizes, [])  # compiled and pinned; attached later
         # the address a remote backend sees for masqueraded flows, before any TC program runs
         tc.write_devices(cfg.pin_dir, {d.index: (d.first(4), d.first(6)) for d in cfg.devices})
         self.maps = BpfMaps(cfg.pin_dir)
@@ -167,6 +172,7 @@ class Agent:
         self.state.node_port_addresses = [str(a) for a in cfg.node.node_port_addresses]
         self.state.node = node_record(cfg.node)
         self.state.kubeconfig = cfg.kubeconfig
+        self.state.kernel_headers = str(self.kernel_headers)
         self.state.version = __version__
         rules = conflicts.check_kube_proxy_rules()
         self.state.conflicts = rules.found + conflicts.foreign_programs(cgroup)

@@ -6,9 +6,16 @@ what to do, in one paragraph, instead of a stack trace from deep below.
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import os
 import re
+import shutil
 import subprocess
+import tarfile
+import tempfile
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 DEFAULT_PIN_DIR = Path("/sys/fs/bpf/kpr")
@@ -120,25 +127,133 @@ def ensure_bpffs(pin_dir: Path) -> None:
     )
 
 
-def require_kernel_headers() -> None:
-    """BCC compiles against the headers at BCC_KERNEL_SOURCE or /lib/modules/<r>/build."""
+# Where BCC's headers come from when the node has none of its own: the image and
+# deploy/host-setup.sh install Debian's generic ones here (deploy/kernel-headers.sh). kpr's
+# programs use UAPI structs only, which every later kernel keeps.
+SHIPPED_HEADERS = Path("/usr/lib/kpr/kernel-headers")
+KHEADERS = Path("/sys/kernel/kheaders.tar.xz")  # CONFIG_IKHEADERS
+MODULES = Path("/lib/modules")
+KCONFIG_H = "include/linux/kconfig.h"  # what BCC itself checks a tree by
+
+
+@dataclass(frozen=True)
+class KernelHeaders:
+    """The headers tree BCC compiles kpr's programs against, and where it came from."""
+
+    origin: str  # "BCC_KERNEL_SOURCE", "node", "kheaders" or "shipped"
+    path: Path
+    release: str  # UTS_RELEASE of the tree: the kernel it was made for
+
+    def __str__(self) -> str:
+        what = {
+            "BCC_KERNEL_SOURCE": "set by BCC_KERNEL_SOURCE",
+            "node": "the node's own",
+            "kheaders": f"the running kernel's, from {KHEADERS}",
+            "shipped": "shipped with kpr (the node has none)",
+        }[self.origin]
+        return f"{what}: {self.path} (Linux {self.release or 'release unknown'})"
+
+
+def headers_release(tree: Path) -> str:
+    """UTS_RELEASE from a tree's include/generated/utsrelease.h ("" if it has none)."""
+    try:
+        text = (tree / "include/generated/utsrelease.h").read_text()
+    except OSError:
+        return ""
+    match = re.search(r'UTS_RELEASE\s+"([^"]*)"', text)
+    return match[1] if match else ""
+
+
+def find_kernel_headers(
+    release: str | None = None,
+    modules: Path = MODULES,
+    kheaders: Path = KHEADERS,
+    shipped: Path = SHIPPED_HEADERS,
+    extract_to: Path | None = None,
+) -> KernelHeaders:
+    """The headers to compile against: BCC_KERNEL_SOURCE when set, else the node's own
+    (/lib/modules/<release>/{build,source}), else the running kernel's kheaders, else the
+    set shipped with kpr. A SetupError naming what each place lacks when none has any."""
+    release = release or os.uname().release
     if os.environ.get("BCC_KERNEL_SOURCE"):
         source = Path(os.environ["BCC_KERNEL_SOURCE"])
-        if (source / "include").is_dir():
-            return
-        where = f"BCC_KERNEL_SOURCE={source} has no include/ directory"
-    else:
-        release = os.uname().release
-        build = Path("/lib/modules") / release / "build"
-        if (build / "include").is_dir():
-            return
-        where = f"{build} does not exist"
+        if (source / KCONFIG_H).is_file():
+            return KernelHeaders("BCC_KERNEL_SOURCE", source, headers_release(source))
+        raise SetupError(
+            f"Kernel headers not found (BCC_KERNEL_SOURCE={source} has no {KCONFIG_H}). "
+            f"BCC compiles kpr's BPF programs at start against the headers tree it names: "
+            f"point it at one, or unset it and kpr uses the node's own headers, the kernel's "
+            f"{kheaders} or the set it ships at {shipped} (deploy/host-setup.sh installs it)."
+        )
+    missing = []
+    # BCC's own order: source/ (Debian's split -common tree) with build/ when both exist
+    build = modules / release / "build"
+    tree = modules / release / "source" if (modules / release / "source").is_dir() else build
+    if (tree / KCONFIG_H).is_file() and (build / "include/generated/autoconf.h").is_file():
+        return KernelHeaders("node", build, headers_release(build))
+    missing.append(f"{build} has no headers")
+    if kheaders.is_file():
+        where = extract_kheaders(kheaders, release, extract_to)
+        return KernelHeaders("kheaders", where, headers_release(where) or release)
+    missing.append(f"{kheaders} does not exist (CONFIG_IKHEADERS)")
+    if (shipped / KCONFIG_H).is_file():
+        return KernelHeaders("shipped", shipped, headers_release(shipped))
+    missing.append(f"{shipped} does not exist")
     raise SetupError(
-        f"Kernel headers not found ({where}). BCC compiles kpr's BPF programs at start and "
-        f"needs them. On Debian run `deploy/host-setup.sh` (it installs linux-headers-amd64 and "
-        f"links /lib/modules/$(uname -r)/build to it), or install the headers for this kernel, "
-        f"or set BCC_KERNEL_SOURCE to a kernel headers tree."
+        f"Kernel headers not found: {'; '.join(missing)}. BCC compiles kpr's BPF programs at "
+        f"start and needs a headers tree. The kpr image ships one at {shipped}; on a host, "
+        f"`deploy/host-setup.sh` installs it there (from Debian's linux-headers packages). "
+        f"Or install the headers of this kernel, load the kheaders module "
+        f"(`modprobe kheaders`), or set BCC_KERNEL_SOURCE to a kernel headers tree."
     )
+
+
+def extract_kheaders(archive: Path, release: str, extract_to: Path | None = None) -> Path:
+    """The kernel's own headers (kheaders.tar.xz) unpacked into a new directory of root's
+    alone (BCC's own copy goes to a /tmp/kheaders-<release> anyone could have made first),
+    removed when this process exits if not before (`kernel_headers` does, once loaded)."""
+    target = Path(tempfile.mkdtemp(prefix=f"kpr-kheaders-{release}-", dir=extract_to))
+    atexit.register(shutil.rmtree, target, ignore_errors=True)
+    try:
+        with tarfile.open(archive, "r:xz") as tar:
+            if hasattr(tarfile, "data_filter"):
+                tar.extractall(target, filter="data")
+            else:  # Python < 3.11.4: the archive is the kernel's own
+                tar.extractall(target)
+    except (OSError, tarfile.TarError) as err:
+        shutil.rmtree(target, ignore_errors=True)
+        raise SetupError(
+            f"Could not unpack the kernel's headers {archive} into {target}: {err}. Set "
+            f"TMPDIR to a directory with room, or BCC_KERNEL_SOURCE to a kernel headers tree."
+        ) from err
+    return target
+
+
+def require_kernel_headers() -> KernelHeaders:
+    """Find the headers (find_kernel_headers) and point BCC at them: it reads
+    BCC_KERNEL_SOURCE (one merged tree), or looks in /lib/modules itself, where the node's
+    own are. Child processes (the loaders) inherit the choice."""
+    headers = find_kernel_headers()
+    if headers.origin in ("kheaders", "shipped"):
+        os.environ["BCC_KERNEL_SOURCE"] = str(headers.path)
+    return headers
+
+
+@contextlib.contextmanager
+def kernel_headers() -> Iterator[KernelHeaders]:
+    """require_kernel_headers() while the programs are compiled: afterwards BCC_KERNEL_SOURCE
+    is as it was and unpacked kheaders are gone (only a start compiles)."""
+    before = os.environ.get("BCC_KERNEL_SOURCE")
+    headers = require_kernel_headers()
+    try:
+        yield headers
+    finally:
+        if before is None:
+            os.environ.pop("BCC_KERNEL_SOURCE", None)
+        else:
+            os.environ["BCC_KERNEL_SOURCE"] = before
+        if headers.origin == "kheaders":
+            shutil.rmtree(headers.path, ignore_errors=True)
 
 
 def require_bcc():

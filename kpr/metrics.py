@@ -220,6 +220,13 @@ class Metrics:
             ["object"],
             registry=r,
         )
+        self.kernel_headers_info = Gauge(
+            "kpr_kernel_headers_info",
+            "1 for the kernel headers BCC compiled kpr's programs against: origin is node, "
+            "kheaders, shipped or BCC_KERNEL_SOURCE; release is the kernel they were made for",
+            ["origin", "release"],
+            registry=r,
+        )
         self._datapath = _DatapathCollector()
         r.register(self._datapath)
         # process_cpu_seconds_total, process_resident_memory_bytes, process_open_fds ...,

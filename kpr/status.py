@@ -97,6 +97,7 @@ def report(pin_dir: Path) -> dict:
             "conflicts_not_checked": state.conflicts_not_checked,
             "failed": state.failed,
             "node_port_addresses": state.node_port_addresses,
+            "kernel_headers": state.kernel_headers,
         }
     devices = {}
     if state and state.devices:
@@ -133,6 +134,8 @@ def render(status: dict) -> str:
         version = f"kpr {agent['version']}" if agent.get("version") else "kpr (version unknown)"
         lines.append(f"agent:     {version}, pid {agent['pid']} ({running}), last sync {when}")
         lines.append(f"source:    {agent['source']}")
+        if agent.get("kernel_headers"):
+            lines.append(f"headers:   {agent['kernel_headers']}")
         watches = agent.get("watches") or {}
         if watches:
             down = [name for name, w in watches.items() if not w.get("connected")]

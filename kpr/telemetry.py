@@ -26,6 +26,11 @@ class Telemetry:
         agent.observers.append(self)
         if agent.maps is not None:
             self.metrics.set_datapath_reader(agent.maps.stats)
+        if agent.kernel_headers is not None:
+            headers = agent.kernel_headers
+            self.metrics.kernel_headers_info.labels(
+                origin=headers.origin, release=headers.release
+            ).set(1)
 
     def queued(self, when: float) -> None:
         self.health.queued()

@@ -572,7 +572,6 @@ def test_vagrantfile_runs_the_provisioning_scripts_that_exist():
 
 # deploy/host-setup.sh packages the image does not need, and why.
 NOT_IN_IMAGE = {
-    "linux-headers-amd64": "headers come from the host's /lib/modules and /usr/src",
     "gcc": "only for building on a development host",
     "make": "only for building on a development host",
 }
@@ -610,10 +609,27 @@ def test_dockerfile_installs_the_runtime_packages_of_host_setup():
                     installed |= {a for a in argv[2:] if not a.startswith("-")}
     needed = host_setup_packages() - set(NOT_IN_IMAGE)
     assert needed <= installed, f"missing from the image: {sorted(needed - installed)}"
-    assert not installed & {"linux-headers-amd64"} and not any(
-        p.startswith("linux-headers") for p in installed
-    )
+    # kernel headers are unpacked (deploy/kernel-headers.sh), not installed: that pulls in gcc
+    assert not any(p.startswith("linux-headers") for p in installed)
     assert set(NOT_IN_IMAGE) <= host_setup_packages(), "NOT_IN_IMAGE names a stale package"
+
+
+def test_the_image_and_host_setup_carry_the_shipped_kernel_headers_where_kpr_looks():
+    from kpr import host
+
+    script = DEPLOY / "kernel-headers.sh"
+    runs = [rest for word, rest in dockerfile_instructions() if word == "RUN"]
+    copies = [rest.split() for word, rest in dockerfile_instructions() if word == "COPY"]
+    (copy,) = [c for c in copies if c[0] == "deploy/kernel-headers.sh"]
+    installed_at = copy[-1].rstrip("/") + "/kernel-headers.sh"
+    assert any(f"sh {installed_at} {host.SHIPPED_HEADERS}" in r for r in runs)
+    # ... before the package lists it reads are removed, in the same step
+    (step,) = [r for r in runs if installed_at in r]
+    assert step.index(installed_at) < step.index("rm -rf /var/lib/apt/lists")
+    assert f"target=${{1:-{host.SHIPPED_HEADERS}}}" in script.read_text()
+    assert re.search(
+        r'^\s*sh "\$here/kernel-headers.sh"$', (DEPLOY / "host-setup.sh").read_text(), re.M
+    )
 
 
 def test_dockerfile_copies_and_installs_the_package():

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from kpr.lab.kube import build, images
+from kpr.lab.kube import build, dns, images
 
 IDS = itertools.count()
 
@@ -52,13 +52,16 @@ class Built:
 def built() -> Built:
     """Every image, built once per session (minutes cold, a second from the cache)."""
     _skip_unless_able_to_build()
-    names = [n for n in images.NAMES if n not in ("agnhost", "kube-proxy") or build.cached()]
+    names = [
+        n for n in images.NAMES if n not in ("agnhost", "coredns", "kube-proxy") or build.cached()
+    ]
     started = time.monotonic()
     archives = images.build_images(names)
     seconds = time.monotonic() - started
     print(f"\nbuild_images({len(names)} images): {seconds:.1f} s", file=sys.stderr)
     references = {
         "kpr": images.KPR_IMAGE,
+        "coredns": dns.image_reference(),
         "kube-proxy": images.kube_proxy_image(),
         **images.e2e_references(build.kubernetes_source()),
     }
@@ -78,9 +81,12 @@ class Containerd:
             timeout=timeout,
         )
 
-    def run(self, image: str, *argv: str) -> subprocess.CompletedProcess:
+    def run(
+        self, image: str, *argv: str, options: tuple[str, ...] = ()
+    ) -> subprocess.CompletedProcess:
         """`ctr run --rm` in the container's own network namespace (only a loopback)."""
-        return self._run("--rm", image, f"kpr-test-{os.getpid()}-{next(IDS)}", *argv)
+        name = f"kpr-test-{os.getpid()}-{next(IDS)}"
+        return self._run("--rm", *options, image, name, *argv)
 
     def start(self, image: str) -> str:
         """`ctr run -d` of the image's own command; the container's name."""
@@ -224,10 +230,49 @@ def test_jessie_dnsutils_has_dig(containerd, built):
     assert done.returncode == 0 and "DiG 9." in done.stdout + done.stderr, done.stderr
 
 
+def test_coredns_image_runs_coredns_as_its_entrypoint(containerd, built):
+    reference = built.reference("coredns")
+    done = containerd.run(reference, "/coredns", "-version")
+    assert done.returncode == 0 and done.stdout.startswith("CoreDNS-"), done.stderr
+    name = containerd.start(reference)  # the entrypoint, no Corefile: CoreDNS's default server
+    time.sleep(1)
+    assert task_status(containerd, name) == "RUNNING"
+
+
 def test_kpr_image_runs_the_kpr_cli(containerd, built):
     done = containerd.run(images.KPR_IMAGE, "kpr", "--help")
     assert done.returncode == 0, done.stderr
     assert "Usage: kpr" in done.stdout
+
+
+# In the image, with none of the node's /lib/modules or /usr/src mounted: kpr finds the headers
+# it ships, and BCC compiles and loads both programs against them (maps pinned in a bpffs of
+# the container's own, gone with it; nothing is attached).
+COMPILE_IN_IMAGE = """
+import lzma  # kheaders.tar.xz, on nodes that have it
+from pathlib import Path
+from kpr import host
+from kpr.datapath import abi, loader
+headers = host.require_kernel_headers()
+print(headers.origin, headers.path)
+pins = Path("/sys/fs/bpf/kpr-image-test")
+host.ensure_bpffs(pins)
+for source in ("sock_lb.c", "nodeport.c"):
+    bpf = loader.compile_and_pin(pins, abi.MapSizes(), source)
+    print(source, len(bpf.tables))
+"""
+
+
+def test_kpr_image_compiles_its_programs_against_the_headers_it_ships(containerd, built):
+    from kpr import host
+
+    done = containerd.run(
+        images.KPR_IMAGE, "python3", "-c", COMPILE_IN_IMAGE, options=("--privileged",)
+    )
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert lines[0] == f"shipped {host.SHIPPED_HEADERS}"
+    assert [line.split()[0] for line in lines[1:]] == ["sock_lb.c", "nodeport.c"]
 
 
 def test_kube_proxy_image_is_kubeadms_with_the_tools_upstreams_has(containerd, built):

@@ -74,6 +74,7 @@ KPR = {
     "kpr_invalid_objects_total": "counter",
     "kpr_map_write_failures_total": "counter",
     "kpr_drift_repairs_total": "counter",
+    "kpr_kernel_headers_info": "gauge",
 }
 # prometheus_client's ProcessCollector: the process_* series every Kubernetes component has
 PROCESS = {

@@ -2,20 +2,29 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from types import SimpleNamespace
 
 from kpr.agent import SyncResult
 from kpr.health import ProxyHealth
+from kpr.host import KernelHeaders
 from kpr.metrics import Metrics
 from kpr.model import Translation
 from kpr.telemetry import Telemetry
 
 
-def attached(desired: Translation) -> tuple[Telemetry, Metrics]:
+def attached(
+    desired: Translation, kernel_headers: KernelHeaders | None = None
+) -> tuple[Telemetry, Metrics]:
     metrics = Metrics()
     telemetry = Telemetry(ProxyHealth(30.0), metrics)
     agent = SimpleNamespace(
-        observers=[], maps=None, desired=desired, node_deleting=False, map_fill=dict
+        observers=[],
+        maps=None,
+        desired=desired,
+        node_deleting=False,
+        map_fill=dict,
+        kernel_headers=kernel_headers,
     )
     telemetry.attach(agent)  # type: ignore[arg-type]
     return telemetry, metrics
@@ -64,9 +73,22 @@ def test_a_draining_node_makes_healthz_unhealthy_after_the_next_sync() -> None:
     health = ProxyHealth(30.0)
     telemetry = Telemetry(health, metrics)
     agent = SimpleNamespace(
-        observers=[], maps=None, desired=Translation(), node_deleting=True, map_fill=dict
+        observers=[],
+        maps=None,
+        desired=Translation(),
+        node_deleting=True,
+        map_fill=dict,
+        kernel_headers=None,
     )
     telemetry.attach(agent)  # type: ignore[arg-type]
     telemetry.synced(SyncResult(full=True, writes=0, seconds=0.01, failed=0, services_changed=-1))
     assert health.snapshot()["nodeEligible"] is False
     assert health.healthy()  # /livez ignores the Node
+
+
+def test_the_kernel_headers_compiled_against_are_an_info_series() -> None:
+    shipped = KernelHeaders("shipped", Path("/usr/lib/kpr/kernel-headers"), "6.1.0-57-amd64")
+    _, metrics = attached(Translation(), shipped)
+    name = "kpr_kernel_headers_info"
+    assert value(metrics, name, origin="shipped", release="6.1.0-57-amd64") == 1
+    assert value(metrics, name, origin="node", release="6.1.0-57-amd64") is None

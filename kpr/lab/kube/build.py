@@ -1,9 +1,11 @@
-"""Build the upstream Kubernetes components and etcd from their Go modules, or reuse a cache.
+"""Build the upstream Kubernetes components, etcd and CoreDNS from their Go modules, or reuse a
+cache.
 
-The Go modules that pin the versions live beside this file (upstream/kubernetes, upstream/etcd);
-their go.mod files are the one place a version is written. Binaries, the module cache and the
-build cache live outside the clone, under a directory keyed by the Kubernetes, etcd and Go
-versions, so a second clone (CI's) on the same machine reuses them and a version bump rebuilds.
+The Go modules that pin the versions live beside this file (upstream/kubernetes, upstream/etcd,
+upstream/coredns); their go.mod files are the one place a version is written. Binaries, the
+module cache and the build cache live outside the clone, under a directory keyed by the
+Kubernetes, etcd, CoreDNS and Go versions, so a second clone (CI's) on the same machine reuses
+them and a version bump rebuilds.
 """
 
 from __future__ import annotations
@@ -24,6 +26,8 @@ from pathlib import Path
 UPSTREAM = Path(__file__).resolve().parents[1] / "upstream"
 KUBERNETES_MODULE = UPSTREAM / "kubernetes"
 ETCD_MODULE = UPSTREAM / "etcd"
+COREDNS_MODULE = UPSTREAM / "coredns"
+MODULES = (KUBERNETES_MODULE, ETCD_MODULE, COREDNS_MODULE)
 MIN_GO = (1, 24)  # Kubernetes 1.34's go.mod says go 1.24.0
 DEFAULT_CACHE = Path("/var/cache/kpr/lab")
 
@@ -41,8 +45,10 @@ ETCD_COMMANDS = {
     "etcd": "go.etcd.io/etcd/server/v3",
     "etcdctl": "go.etcd.io/etcd/etcdctl/v3",
 }
+# The cluster DNS (kpr.lab.kube.dns), linked as upstream's Makefile links it.
+COREDNS_COMMANDS = {"coredns": "github.com/coredns/coredns"}
 E2E_PACKAGE = "k8s.io/kubernetes/test/e2e"  # built with `go test -c` as e2e.test
-BINARIES = (*KUBERNETES_COMMANDS, *ETCD_COMMANDS, "e2e.test")
+BINARIES = (*KUBERNETES_COMMANDS, *ETCD_COMMANDS, *COREDNS_COMMANDS, "e2e.test")
 
 
 class GoMissing(Exception):
@@ -53,11 +59,12 @@ class GoMissing(Exception):
 class Versions:
     kubernetes: str  # "v1.34.4"
     etcd: str  # "v3.6.16"
+    coredns: str  # "v1.12.1"
     go: str  # "go1.26.8"
 
     @property
     def key(self) -> str:
-        return f"kubernetes-{self.kubernetes}_etcd-{self.etcd}_{self.go}"
+        return f"kubernetes-{self.kubernetes}_etcd-{self.etcd}_coredns-{self.coredns}_{self.go}"
 
 
 def required_version(go_mod: Path, module: str) -> str:
@@ -102,7 +109,7 @@ def cache_root() -> Path:
 def _sources_digest() -> str:
     # go.mod and go.sum decide what is built: a changed replace or sum must not reuse a cache.
     digest = hashlib.sha256()
-    for module in (KUBERNETES_MODULE, ETCD_MODULE):
+    for module in MODULES:
         for name in ("go.mod", "go.sum"):
             digest.update((module / name).read_bytes())
     return digest.hexdigest()[:16]
@@ -140,6 +147,7 @@ def versions() -> Versions:
     return Versions(
         kubernetes=kubernetes_version(),
         etcd=required_version(ETCD_MODULE / "go.mod", "go.etcd.io/etcd/server/v3"),
+        coredns=required_version(COREDNS_MODULE / "go.mod", "github.com/coredns/coredns"),
         go=go_version,
     )
 
@@ -196,6 +204,10 @@ def build(log=sys.stderr) -> Path:
             *(
                 (ETCD_MODULE, ["build", "-o", str(staging / name), package])
                 for name, package in ETCD_COMMANDS.items()
+            ),
+            *(
+                (COREDNS_MODULE, ["build", "-ldflags", "-s -w", "-o", str(staging / name), package])
+                for name, package in COREDNS_COMMANDS.items()
             ),
             (
                 KUBERNETES_MODULE,

@@ -18,12 +18,13 @@ import os
 import signal
 import subprocess
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import yaml
 
-from kpr.lab.kube import build
+from kpr.lab.kube import build, dns
 from kpr.lab.kube.controlplane import ControlPlane, stop_recorded
 from kpr.lab.kube.images import KPR_IMAGE, build_images
 from kpr.lab.kube.node import Node, remove
@@ -120,6 +121,8 @@ class RealCluster:
     plane: ControlPlane | None = None
     members: list[Node] = field(default_factory=list)
     kube_proxies: dict[str, subprocess.Popen] = field(default_factory=dict)
+    images: dict[str, Path] = field(default_factory=dict)  # reference -> archive, on every node
+    kpr_image: str = KPR_IMAGE
 
     def __post_init__(self) -> None:
         if self.proxy not in PROXIES:
@@ -145,7 +148,7 @@ class RealCluster:
     def start(self) -> None:
         self.directory.mkdir(parents=True, exist_ok=True)
         try:
-            images = build_images()
+            self.images = images = build_images()
             pause = next(reference for reference in images if "/pause:" in reference)
             names = [f"node-{i}" for i in range(1, self.nodes + 1)]
             self.plane = ControlPlane(
@@ -160,11 +163,15 @@ class RealCluster:
             )
             self.plane.start()
             self._write_kubeconfigs()
-            for index, name in enumerate(names, start=1):
-                node = Node(self.plane, self.bin_dir, self.directory / name, index, name, pause)
-                self.members.append(node)
-                self._save_state()
-                node.start(images=list(images.values()))
+            self.members = [
+                Node(self.plane, self.bin_dir, self.directory / name, index, name, pause)
+                for index, name in enumerate(names, start=1)
+            ]
+            self._save_state()
+            # Side by side: most of a node's start is importing the images into its containerd.
+            with ThreadPoolExecutor(len(self.members)) as pool:
+                for started in [pool.submit(n.start, list(images.values())) for n in self.members]:
+                    started.result()
             for node in self.members:
                 for other in self.members:
                     if other is not node:
@@ -176,6 +183,8 @@ class RealCluster:
                 self.install_kpr()
             elif self.proxy.startswith("kube-proxy"):
                 self.start_kube_proxies(self.proxy.removeprefix("kube-proxy-"))
+            if self.proxy != "none":  # CoreDNS reaches the API server through its Service
+                dns.install(self.kubectl)
         except BaseException:
             self.stop()
             raise
@@ -192,9 +201,24 @@ class RealCluster:
             raise RuntimeError(f"kubectl {' '.join(args)}: {done.stderr.strip()}")
         return done.stdout
 
+    def kubectl_apply(self, objects: list[dict]) -> str:
+        """`kubectl apply -f -` of these objects."""
+        done = subprocess.run(
+            [str(self.bin_dir / "kubectl"), f"--kubeconfig={self.kubeconfig}", "apply", "-f", "-"],
+            input=yaml.safe_dump_all(objects),
+            capture_output=True,
+            text=True,
+            check=False,
+            timeout=120,
+        )
+        if done.returncode != 0:
+            raise RuntimeError(f"kubectl apply: {done.stderr.strip()}")
+        return done.stdout
+
     def install_kpr(self, image: str = KPR_IMAGE) -> None:
         """`kubectl apply -k` of the lab overlay; wait until every node's kpr pod is Ready."""
         assert self.plane is not None
+        self.kpr_image = image
         path = overlay(self.directory / "overlay", self.plane.advertised_url, image)
         self.kubectl("apply", "-k", str(path))
         self.kubectl(

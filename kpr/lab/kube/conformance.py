@@ -27,6 +27,7 @@ import os
 import re
 import shlex
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -86,10 +87,13 @@ class Skip:
     image: str = ""
     ipv4_only: bool = False
     parallel_only: bool = False
+    sctp: bool = False  # only while the kernel has no SCTP
 
     def applies(self, lab: Lab, e2e_images: Sequence[str] = (), parallel: bool = False) -> bool:
         if self.parallel_only:
             return parallel
+        if self.sctp:
+            return not kernel_has_sctp()
         if self.ipv4_only:
             return lab.ip_family == "ipv4"
         if self.image:
@@ -111,6 +115,13 @@ class Skip:
 # test (Topology Hints, Traffic Distribution): their names do not match it, so they need none
 # either (tests/test_lab_conformance.py checks that against the binary's list).
 SKIPS = (
+    Skip(
+        "no SCTP in the kernel",
+        r"(?i)sctp",
+        "the nodes' kernel has no SCTP (an SCTP socket fails with EPROTONOSUPPORT): the "
+        "test's pods never get ready, each test waits out 5 minutes",
+        sctp=True,
+    ),
     Skip(
         "dual-stack",
         r"\[Feature:IPv6DualStack\]",
@@ -150,6 +161,15 @@ def selected(full_text: str, subset: str) -> bool:
 
 def skip_for(full_text: str, skips: Iterable[Skip]) -> Skip | None:
     return next((s for s in skips if re.search(s.pattern, spec_text(full_text))), None)
+
+
+def kernel_has_sctp() -> bool:
+    """The lab's nodes share the machine's kernel."""
+    try:
+        socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_SCTP).close()
+    except OSError:
+        return False
+    return True
 
 
 def active_skips(

@@ -33,7 +33,7 @@ import time
 from collections.abc import Iterable
 from pathlib import Path
 
-from kpr.lab.kube import build
+from kpr.lab.kube import build, dns
 
 CONTAINERFILES = Path(__file__).resolve().parent / "containerfiles"
 REPO = Path(__file__).resolve().parents[3]
@@ -42,7 +42,15 @@ KPR_IMAGE = "localhost/kpr:0.1.0"  # deploy/Dockerfile's own example tag
 DEBIAN_BASE = "docker.io/library/debian:bookworm-slim"
 SUITE = "bookworm"
 # What deploy/Dockerfile copies (and .dockerignore trims): the kpr image's cache key.
-KPR_CONTEXT = (".dockerignore", "deploy/Dockerfile", "pyproject.toml", "README.md", "bpf", "kpr")
+KPR_CONTEXT = (
+    ".dockerignore",
+    "deploy/Dockerfile",
+    "deploy/kernel-headers.sh",
+    "pyproject.toml",
+    "README.md",
+    "bpf",
+    "kpr",
+)
 IGNORED = ("__pycache__",)  # as .dockerignore says
 # Short name -> ImageID in manifest.go, in the order they are built.
 E2E_IMAGES = {
@@ -55,7 +63,7 @@ E2E_IMAGES = {
 }
 # kubeadm's kube-proxy DaemonSet image (kpr.lab.kube.kube_proxy), tagged with the lab's version.
 KUBE_PROXY_REPOSITORY = "registry.k8s.io/kube-proxy"
-NAMES = (*E2E_IMAGES, "kube-proxy", "kpr")
+NAMES = (*E2E_IMAGES, "coredns", "kube-proxy", "kpr")  # coredns: the cluster DNS (kpr.lab.kube.dns)
 # Debian packages the builds run (the command each provides, to see whether it is there).
 TOOLS = {
     "buildah": "buildah",
@@ -113,7 +121,11 @@ def build_images(names: Iterable[str] | None = None, log=sys.stderr) -> dict[str
     _require_packages(TOOLS)
     root = images_root()
     archives_dir().mkdir(parents=True, exist_ok=True)
-    references = {"kpr": KPR_IMAGE, "kube-proxy": kube_proxy_image()}
+    references = {
+        "kpr": KPR_IMAGE,
+        "coredns": dns.image_reference(),
+        "kube-proxy": kube_proxy_image(),
+    }
     kubernetes_source = None
     if set(wanted) - {"kpr", "kube-proxy"}:
         kubernetes_source = build.kubernetes_source()
@@ -308,6 +320,14 @@ class _Builder:
             porter = self.kubernetes_source / "test" / "images" / "agnhost" / "porter"
             for key in ("localhost.crt", "localhost.key"):
                 shutil.copyfile(porter / key, context / key)
+        elif name == "coredns":
+            binaries = build.cached()
+            if binaries is None:
+                raise InputsMissing(
+                    "the lab's coredns is not built: run `python -m kpr.lab.kube build` first"
+                )
+            shutil.copy2(binaries / "coredns", context / "coredns")
+            _require_static(context / "coredns")
 
     def _ensure_base(self) -> None:
         """docker.io/library/debian:bookworm-slim in buildah's store, made with debootstrap."""

@@ -7,11 +7,12 @@ Layout (node i = 1..N, beside the control plane's namespace, `ControlPlane(in_ne
     node-i netns  eth0 10.250.0.(10+i)/24 ─────────────┘   routes to the other nodes' pod networks
                   cni0 10.244.i.1/24 (CNI bridge + host-local: the pods)
 
-The node's mount namespace is private and gives it what a node's root filesystem gives: its own
-/run (containerd's socket and state, the pods' network namespaces, kpr's run state), its own
-bpffs at /sys/fs/bpf (pins of the node's kpr), its own cgroup v2 tree at /sys/fs/cgroup/unified
-(a child of the machine's, bind-mounted: every process of the node, pods included, is inside
-it, so the node's kpr attaches "to the root" there and the machine is not touched), and its own
+The node has its own hostname (UTS namespace, the node's name), and a private mount namespace
+that gives it what a node's root filesystem gives: its own /run (containerd's socket and
+state, the pods' network namespaces, kpr's run state), its own bpffs at /sys/fs/bpf (pins of
+the node's kpr), its own cgroup v2 tree at /sys/fs/cgroup/unified (a child of the machine's,
+bind-mounted: every process of the node, pods included, is inside it, so the node's kpr
+attaches "to the root" there and the machine is not touched), and its own
 /var/lib/{kubelet,containerd,cni}, /etc/cni/net.d and /var/log/pods (directories under the
 node's directory). The cgroup v1 controllers are the machine's: kubelet runs with its own
 cgroupRoot. Everything is stopped by killing the node's cgroup, and removed.
@@ -111,6 +112,7 @@ class Node:
             *("sh", "-c", 'echo $$ > "$0" && exec "$@"', str(self.cgroup / "cgroup.procs")),
             *("nsenter", f"--net={self.netns_path}"),
             f"--mount=/proc/{self.processes['mounts'].pid}/ns/mnt",
+            f"--uts=/proc/{self.processes['mounts'].pid}/ns/uts",
             "--",
             *argv,
         ]
@@ -225,6 +227,8 @@ class Node:
             for name, target in NODE_DIRS.items()
         )
         script = (
+            # A node's own hostname: hostNetwork pods answer with it, as the e2e suite checks.
+            f"hostname {self.name} && "
             "mount -t tmpfs -o mode=755 tmpfs /run && mkdir -p /run/netns /run/kpr && "
             "mount -t bpf bpf /sys/fs/bpf && "
             f'mount --bind "{self.cgroup}" /sys/fs/cgroup/unified && '
@@ -237,7 +241,7 @@ class Node:
             [
                 *("sh", "-c", 'echo $$ > "$0" && exec "$@"', str(self.cgroup / "cgroup.procs")),
                 *("nsenter", f"--net={self.netns_path}", "--"),
-                *("unshare", "--mount", "--propagation", "private", "--"),
+                *("unshare", "--mount", "--uts", "--propagation", "private", "--"),
                 *("sh", "-c", script),
             ],
             stdin=subprocess.DEVNULL,
