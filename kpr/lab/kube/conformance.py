@@ -437,6 +437,7 @@ def run(
     report_path = out / "report.json"
     report_path.unlink(missing_ok=True)
     started = datetime.now(UTC)
+    revision = kpr_revision()  # now: the tree may move on while the suite runs
     clock = time.monotonic()
     print(f"kpr.lab.kube.conformance: {shlex.join(argv)}", file=sys.stderr, flush=True)
     with (out / "e2e.log").open("w") as log, tempfile.TemporaryDirectory(dir=out) as tmp:
@@ -482,7 +483,7 @@ def run(
         "command": list(command),
         "e2e_command": argv,
         "e2e_exit": exit_code,
-        "versions": {"e2e": e2e_version(binary), "server": facts["server"], "kpr": kpr_revision()},
+        "versions": {"e2e": e2e_version(binary), "server": facts["server"], "kpr": revision},
         "cluster": {k: facts[k] for k in ("nodes", "daemonsets")},
         "lab": {"ip_family": lab.ip_family},
         "focus": list(SUBSETS[subset].focus),
