@@ -610,25 +610,19 @@ class BpfMaps:
 
     def sync_node_ports(self, wanted: set[tuple[int, str]]) -> None:
         """Make kpr_node_ports hold exactly these (port, protocol) pairs."""
-        pinned = self.maps["kpr_node_ports"]
-        keys = {abi.NODE_PORT_KEY.pack(port, abi.PROTOCOL_NUMBERS[p]) for port, p in wanted}
-        size = abi.NODE_PORT_KEY.size
-        have = {
-            chunk[i : i + size]
-            for chunk, _, count in pinned.dump()
-            for i in range(0, count * size, size)
-        }
-        for key in keys - have:
-            pinned.update_packed(key, b"\x01")
-        for key in have - keys:
-            pinned.delete_packed(key)
+        pack = abi.NODE_PORT_KEY.pack
+        keys = {pack(port, abi.PROTOCOL_NUMBERS[p]) for port, p in wanted}
+        self._sync_key_set("kpr_node_ports", keys, abi.NODE_PORT_KEY.size)
 
     def sync_local_endpoints(self, wanted: set[IPAddress]) -> None:
         """Make kpr_local_endpoints hold exactly these addresses."""
-        pinned = self.maps["kpr_local_endpoints"]
         pack = abi.LOCAL_ENDPOINT_KEY.pack
         keys = {pack(a.packed, a.version) for a in wanted}
-        size = abi.LOCAL_ENDPOINT_KEY.size
+        self._sync_key_set("kpr_local_endpoints", keys, abi.LOCAL_ENDPOINT_KEY.size)
+
+    def _sync_key_set(self, name: str, keys: set[bytes], size: int) -> None:
+        """A map used as a set (every value b"\x01"): add what is missing, delete the rest."""
+        pinned = self.maps[name]
         have = {
             chunk[i : i + size]
             for chunk, _, count in pinned.dump()
