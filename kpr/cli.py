@@ -398,8 +398,13 @@ def bench(
     ] = "100,1000,10000,30000",
     endpoints: Annotated[int, typer.Option(help="Endpoints per service.")] = 10,
     modes: Annotated[
-        str, typer.Option(help="Comma-separated: direct,iptables,iptables-legacy,nftables,kpr.")
-    ] = "direct,iptables,iptables-legacy,nftables,kpr",
+        str,
+        typer.Option(
+            help="Comma-separated. Generated rules: direct,iptables,iptables-legacy,nftables,kpr;"
+            " fed by a real API server: kube-proxy-iptables,kube-proxy-nftables,kpr-api."
+        ),
+    ] = "direct,iptables,iptables-legacy,nftables,kpr,kube-proxy-iptables,kube-proxy-nftables,"
+    "kpr-api",
     json_path: Annotated[
         Path | None, typer.Option("--json", help="Also write every figure here.")
     ] = None,
@@ -409,14 +414,31 @@ def bench(
     connections: Annotated[int, typer.Option(help="Connections per measurement.")] = 5000,
     rounds: Annotated[int, typer.Option(help="Rounds; modes are interleaved in each.")] = 3,
     stream_mb: Annotated[int, typer.Option(help="MiB sent over the long connection.")] = 1024,
+    changes: Annotated[
+        int, typer.Option(help="API-fed modes: endpoint changes timed one at a time.")
+    ] = 50,
+    churn_rate: Annotated[
+        float, typer.Option(help="API-fed modes: endpoint changes a second during churn.")
+    ] = 20.0,
+    churn_seconds: Annotated[
+        float, typer.Option(help="API-fed modes: how long churn lasts.")
+    ] = 60.0,
+    idle_seconds: Annotated[
+        float, typer.Option(help="API-fed modes: how long idle CPU is measured.")
+    ] = 300.0,
+    time_limit: Annotated[
+        float, typer.Option(help="API-fed modes: seconds a proxy gets to program every Service.")
+    ] = 900.0,
 ) -> None:
     """Benchmark kpr against kube-proxy's iptables and nftables rulesets in a throwaway lab."""
     from kpr.bench import run as bench_run
 
     try:
         cfg = bench_run.config_from_options(
-            services, endpoints, modes, json_path, plot, connections, rounds, stream_mb
-        )
+            services, endpoints, modes, json_path, plot, connections, rounds, stream_mb,
+            changes=changes, churn_rate=churn_rate, churn_s=churn_seconds,
+            idle_s=idle_seconds, time_limit_s=time_limit,
+        )  # fmt: skip
         sys.exit(bench_run.main(cfg))
     except (bench_run.BenchError, host.SetupError) as err:
         _fail(err)

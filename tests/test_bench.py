@@ -304,6 +304,7 @@ def test_small_bench_every_mode_carries_connections(tmp_path):
         "1",
         "--stream-mb",
         "16",
+        *("--changes", "4", "--churn-seconds", "4", "--idle-seconds", "3", "--time-limit", "120"),
         "--json",
         str(out),
         "--plot",
@@ -317,11 +318,15 @@ def test_small_bench_every_mode_carries_connections(tmp_path):
     for line in ("direct", "iptables", "nftables", "kpr"):
         assert any(row.split()[1:2] == [line] for row in done.stdout.splitlines()), done.stdout
     pods = {"0", "1"}  # the load tool's servers answer with their pod's index
+    go = shutil.which("go") or Path("/usr/local/go/bin/go").exists()
     for entry in report["results"]:
         if entry["skipped"]:
             # only a tool the machine lacks may be skipped, never kpr or direct
             assert entry["mode"] not in ("direct", "kpr"), entry["skipped"]
-            assert "not installed" in entry["skipped"], entry["skipped"]
+            if entry["mode"] in bench.API_MODES:
+                assert not go and "Kubernetes build" in entry["skipped"], entry["skipped"]
+            else:
+                assert "not installed" in entry["skipped"], entry["skipped"]
             continue
         summary = entry["summary"]
         assert summary["all_connected"], entry
@@ -334,8 +339,19 @@ def test_small_bench_every_mode_carries_connections(tmp_path):
             assert summary["cleaned_up"] is True  # the ClusterIP leads nowhere after clean-up
             for key in ("connect_p50_us_ratio", "program_s", "change_s"):
                 assert summary[key] > 0
+        if entry["mode"] in bench.API_MODES:
+            # fed by the API server: programmed, every Service answered, each change seen
+            assert summary["every_service_answered"] is True, entry
+            assert summary["proxy_first_sync_s"] > 0
+            assert summary["change_failures"] == summary["churn_failures"] == 0, entry
+            (sample,) = entry["samples"]
+            assert sample["change_latency_s"]["count"] == 4
+            assert sample["churn_changes"] >= 40  # 20 a second for 4 s
+            assert summary["churn_cpu"] > 0 and summary["idle_cpu"] >= 0
+            assert summary["proxy_rss_mb"] > 0
         if entry["mode"] == "kpr":
             assert summary["agent_rss_mb"] > 0
+        if entry["mode"] in ("kpr", "kpr-api"):
             for sample in entry["samples"]:  # direct alternated with kpr, block by block
                 assert sample["blocks"] == sample["direct"]["blocks"] == bench.PAIRED_BLOCKS
                 assert sample["direct"]["connect_ok"] == sample["connect_ok"] == 200
@@ -371,3 +387,55 @@ def test_node_port_bench_carries_connections_in_every_mode():
     assert result["failures"] == {"direct": 0, "iptables": 0, "kpr": 0}
     assert all(rate > 0 for rate in result["rate_per_s"].values())
     assert result["ratio_to_direct"]["direct"] == 1.0
+
+
+def test_the_api_fed_modes_read_the_proxy_metric_and_rank_each_column():
+    from kpr.bench import api
+
+    text = (
+        "# TYPE kubeproxy_sync_proxy_rules_duration_seconds histogram\n"
+        'kubeproxy_sync_proxy_rules_duration_seconds_bucket{le="1"} 2\n'
+        "kubeproxy_sync_proxy_rules_duration_seconds_sum 1.5\n"
+        "kubeproxy_sync_proxy_rules_duration_seconds_count 2\n"
+        "kubeproxy_sync_full_proxy_rules_duration_seconds_sum 9\n"
+    )
+    assert api.sync_metric(text) == {"count": 2.0, "sum": 1.5}
+    assert api.quantiles([0.3, 0.1, 0.2]) == {"count": 3, "p50": 0.2, "p99": 0.3, "max": 0.3}
+
+    def entry(mode: str, **summary: float) -> dict:
+        return {"services": 1000, "mode": mode, "skipped": None, "summary": summary}
+
+    report = {"results": [
+        entry("direct", connect_p50_us=10.0),
+        entry("kube-proxy-iptables", connect_p50_us=30.0, connect_p50_us_ratio=3.0,
+              program_s=5.0, idle_cpu=0.2),
+        entry("kpr-api", connect_p50_us=11.0, connect_p50_us_ratio=1.01, program_s=0.5,
+              idle_cpu=0.3),
+        {"services": 1000, "mode": "kube-proxy-nftables", "skipped": "nft not found",
+         "summary": {}},
+    ]}  # fmt: skip
+    rows = {e["mode"]: dict(zip([c[1] for c in bench.API_COLUMNS], cells, strict=True))
+            for e, cells in bench.api_rows(report)}  # fmt: skip
+    assert rows["kpr-api"]["connect_p50_us"] == ("11.0 ×1.01", True)  # ranked by its ratio
+    assert rows["kpr-api"]["program_s"] == ("0.50", True)
+    assert rows["kube-proxy-iptables"]["idle_cpu"] == ("20.00", True)
+    assert not rows["direct"]["connect_p50_us"][1]  # the limit, never a winner
+    markdown = bench.render_api_markdown(report)
+    assert "| 1,000 | kpr-api | **11.0 ×1.01** |" in markdown
+    assert "skipped: nft not found" in markdown
+
+
+def test_the_api_fed_modes_sample_services_across_the_list():
+    from kpr.bench import api
+
+    services = bench.build_services(30000, 2, ["10.244.1.11", "10.244.1.12"])
+    targets = api._ready_targets(services)
+    pairs = list(zip(targets[::2], targets[1::2], strict=True))
+    assert len(pairs) <= 64  # the load tool's limit
+    assert pairs[0] == ("10.96.0.16", "80") and pairs[-1] == (api.CHANGE_VIP, "81")
+    assert pairs[-2] == (str(bench.VIP_NET[bench.VIP_FIRST + 29999]), "80")  # the last one
+    for index in services.real:  # every pod-backed Service is among them
+        assert (str(bench.VIP_NET[bench.VIP_FIRST + index]), "80") in pairs
+    with pytest.raises(bench.BenchError, match="API-fed modes hold at most"):
+        bench.BenchConfig(sizes=[api.MAX_SERVICES + 1], modes=["kpr-api"]).validate()
+    bench.BenchConfig(sizes=[api.MAX_SERVICES + 1], modes=["kpr"]).validate()

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from kpr.lab.kube import build, dns
+from kpr.lab.kube import build, dns, objects
 from kpr.lab.kube.controlplane import CLUSTER_DOMAIN, SERVICE_CIDRS
 from kpr.lab.kube.forward import Forwarder, in_netns
 from kpr.lab.kube.node import CLUSTER_DNS
@@ -130,15 +130,9 @@ def test_the_built_coredns_is_the_pinned_version(kube_bin):
 @pytest.fixture(scope="module")
 def kubectl(kube_bin, control_plane):
     def run(*args: str, timeout: float = 60, check: bool = True) -> str:
-        done = subprocess.run(
-            [str(kube_bin / "kubectl"), f"--kubeconfig={control_plane.kubeconfig}", *args],
-            capture_output=True,
-            text=True,
-            timeout=timeout,
+        return objects.kubectl(
+            kube_bin, control_plane.kubeconfig, *args, check=check, timeout=timeout
         )
-        if check and done.returncode != 0:
-            raise RuntimeError(f"kubectl {' '.join(args)}: {done.stderr.strip()}")
-        return done.stdout
 
     return run
 

@@ -58,7 +58,10 @@ from kpr.lab.latency import build_c_program, measure
 from kpr.lab.latency import measure_paired as measure_paired_latency
 from kpr.lab.netns import Lab
 
-MODES = ("direct", "iptables", "iptables-legacy", "nftables", "kpr")
+GENERATED_MODES = ("direct", "iptables", "iptables-legacy", "nftables", "kpr")
+# Fed by a real API server (kpr.bench.api): the real kube-proxy, and kpr beside it.
+API_MODES = ("kube-proxy-iptables", "kube-proxy-nftables", "kpr-api")
+MODES = GENERATED_MODES + API_MODES
 DEFAULT_SIZES = (100, 1000, 10000, 30000)
 
 NAMESPACE = "bench"
@@ -93,6 +96,12 @@ class BenchConfig:
     stream_mb: int = 1024
     json_path: Path | None = None
     plot_path: Path | None = None
+    # the API-fed modes only
+    changes: int = 50
+    churn_rate: float = 20.0
+    churn_s: float = 60.0
+    idle_s: float = 300.0
+    time_limit_s: float = 900.0
 
     def validate(self) -> None:
         if not self.sizes:
@@ -119,6 +128,16 @@ class BenchConfig:
             raise BenchError(f"--modes: unknown {unknown or 'none given'}; choose from {MODES}")
         if self.connections < 1 or self.rounds < 1 or self.stream_mb < 1:
             raise BenchError("--connections, --rounds and --stream-mb must be at least 1")
+        if any(m in API_MODES for m in self.modes):
+            from kpr.bench.api import MAX_SERVICES
+
+            if most > MAX_SERVICES:
+                raise BenchError(f"--services {most}: the API-fed modes hold at most "
+                                 f"{MAX_SERVICES} (the lab API server's service CIDR)")  # fmt: skip
+            if self.changes < 1 or self.churn_rate <= 0 or self.churn_s <= 0:
+                raise BenchError("--changes, --churn-rate and --churn-seconds must be positive")
+            if self.idle_s < 0 or self.time_limit_s <= 0:
+                raise BenchError("--idle-seconds must be >= 0 and --time-limit positive")
 
 
 # --- the service set --------------------------------------------------------------------------
@@ -268,6 +287,10 @@ LOADGEN_C = r"""
 //   rr COUNT ADDR PORT ...  COUNT request/answer connections round robin; RST close; JSON
 //   stream BYTES ADDR PORT  one connection sending BYTES, then waiting for the answer; JSON
 //   probe MS ADDR PORT      does a connect succeed within MS milliseconds? JSON
+//   ready MS ADDR PORT ...  until each target, in turn, connects or is refused (a proxy sent
+//                           it somewhere), at most MS ms in all; when (wall clock); JSON
+//   sweep MS FIRST COUNT PORT  one pass over COUNT consecutive addresses from FIRST: how
+//                           many connected, were refused, neither within MS ms; JSON
 //   maxrss ARGV...          run ARGV (stdout to /dev/null); its exit code, CPU, peak RSS; JSON
 #define _GNU_SOURCE
 #include <arpa/inet.h>
@@ -449,6 +472,72 @@ static int probe(int ms, const struct sockaddr_in *t)
     return 0;
 }
 
+// 1: connected, 2: refused, 0: neither within ms
+static int attempt(const struct sockaddr_in *t, int ms)
+{
+    struct pollfd p = { .events = POLLOUT };
+    int err = 0, out = 0;
+    socklen_t len = sizeof(err);
+    p.fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
+    if (p.fd < 0)
+        return 0;
+    if (connect(p.fd, (const struct sockaddr *)t, sizeof(*t)) == 0)
+        out = 1;
+    else if (errno == ECONNREFUSED)
+        out = 2;
+    else if (errno == EINPROGRESS && poll(&p, 1, ms) == 1 &&
+             getsockopt(p.fd, SOL_SOCKET, SO_ERROR, &err, &len) == 0)
+        out = err == 0 ? 1 : err == ECONNREFUSED ? 2 : 0;
+    reset_close(p.fd);
+    return out;
+}
+
+static int ready(long ms, int n, const struct sockaddr_in *t)
+{
+    double start = now_s();
+    struct timespec wall;
+    int done = 0;
+    while (done < n && (now_s() - start) * 1000 < ms) {
+        if (attempt(&t[done], 100))
+            done++;
+        else
+            usleep(5000);
+    }
+    clock_gettime(CLOCK_REALTIME, &wall);
+    printf("{\"ready\": %s, \"targets\": %d, \"reached\": %d, \"at\": %.6f}\n",
+           done == n ? "true" : "false", n, done, (double)wall.tv_sec + wall.tv_nsec / 1e9);
+    return 0;
+}
+
+static int sweep(int ms, const char *first, long count, const char *port)
+{
+    struct sockaddr_in sa;
+    char first_failed[INET_ADDRSTRLEN] = "";
+    long answered = 0, refused = 0, failed = 0;
+    uint32_t base;
+    double start = now_s();
+    if (parse(first, port, &sa) < 0)
+        return 2;
+    base = ntohl(sa.sin_addr.s_addr);
+    for (long i = 0; i < count; i++) {
+        sa.sin_addr.s_addr = htonl(base + (uint32_t)i);
+        switch (attempt(&sa, ms)) {
+        case 1:
+            answered++;
+            break;
+        case 2:
+            refused++;
+            break;
+        default:
+            if (!failed++)
+                inet_ntop(AF_INET, &sa.sin_addr, first_failed, sizeof(first_failed));
+        }
+    }
+    printf("{\"answered\": %ld, \"refused\": %ld, \"failed\": %ld, \"first_failed\": \"%s\", "
+           "\"seconds\": %.3f}\n", answered, refused, failed, first_failed, now_s() - start);
+    return 0;
+}
+
 // A child forked from this small process: its peak RSS is its own, not a big parent's
 // (ru_maxrss carries the parent's high-water mark over fork and exec).
 static int maxrss(char **argv)
@@ -482,6 +571,8 @@ int main(int argc, char **argv)
         return serve(argv[2], 0, (unsigned char)atoi(argv[3]));
     if (argc >= 3 && !strcmp(argv[1], "serve-sink"))
         return serve(argv[2], 1, 0);
+    if (argc == 6 && !strcmp(argv[1], "sweep"))
+        return sweep(atoi(argv[2]), argv[3], atol(argv[4]), argv[5]);
     if (argc < 5 || (argc - 3) % 2 != 0)
         goto usage;
     for (int i = 3; i + 1 < argc && n < 64; i += 2)
@@ -493,9 +584,12 @@ int main(int argc, char **argv)
         return stream(atoll(argv[2]), t);
     if (!strcmp(argv[1], "probe"))
         return probe(atoi(argv[2]), t);
+    if (!strcmp(argv[1], "ready"))
+        return ready(atol(argv[2]), n, t);
 usage:
     fprintf(stderr, "usage: serve-rr PORT TAG | serve-sink PORT | rr COUNT ADDR PORT... | "
-            "stream BYTES ADDR PORT | probe MS ADDR PORT\n");
+            "stream BYTES ADDR PORT | probe MS ADDR PORT | ready MS ADDR PORT... | "
+            "sweep MS FIRST COUNT PORT\n");
     return 2;
 }
 """
@@ -732,14 +826,7 @@ class Kpr(Mode):
         self.cgroup: Path | None = None
 
     def missing(self) -> str | None:
-        try:
-            host.require_root()
-            host.require_bcc()
-            host.require_kernel_headers()
-            host.cgroup2_root()
-        except (host.SetupError, RuntimeError) as err:
-            return str(err).split("\n")[0]
-        return None
+        return kpr_missing()
 
     def _new_pin_dir(self) -> Path:
         path = Path("/sys/fs/bpf") / f"kpr-bench-{os.getpid()}-{next(_pin_counter)}"
@@ -860,6 +947,18 @@ class Kpr(Mode):
             runstate.remove(self.pin_dir)
             shutil.rmtree(self.pin_dir, ignore_errors=True)
         self.pin_dir = None
+
+
+def kpr_missing() -> str | None:
+    """Why kpr cannot run here; None when it can."""
+    try:
+        host.require_root()
+        host.require_bcc()
+        host.require_kernel_headers()
+        host.cgroup2_root()
+    except (host.SetupError, RuntimeError) as err:
+        return str(err).split("\n")[0]
+    return None
 
 
 def _repo_env() -> dict[str, str]:
@@ -999,16 +1098,7 @@ def run_slot(
     if not mode.pairs_with_direct:
         sample["direct"] = measure_datapath(bl, DIRECT, services, cfg)
     try:
-        sample.update(mode.program(bl, services))
-        if mode.pairs_with_direct:
-            figures, sample["direct"], ratios = measure_paired(bl, mode, services, cfg)
-            figures.update(ratios)
-        else:
-            figures = measure_datapath(bl, mode, services, cfg)
-        sample.update(figures)
-        sample.update(mode.change(bl, services, change))
-        if first:
-            sample.update(mode.memory(bl, services))
+        sample.update(_measure_slot(bl, mode, services, cfg, change, first))
     finally:
         mode.cleanup(bl)
     sample["cleaned_up"] = vip_unreachable(bl, services)
@@ -1019,11 +1109,37 @@ def run_slot(
     return sample
 
 
+def _measure_slot(
+    bl: BenchLab, mode: Mode, services: ServiceSet, cfg: BenchConfig, change: dict, first: bool
+) -> dict:
+    sample: dict = {}
+    try:
+        sample.update(mode.program(bl, services))
+    except ModeFailed as err:
+        if not hasattr(err, "figures"):
+            raise
+        # not programmed within the time limit: that figure at the limit, nothing after it
+        return {**err.figures, "not_measured": str(err)}
+    if mode.pairs_with_direct:
+        figures, sample["direct"], ratios = measure_paired(bl, mode, services, cfg)
+        figures.update(ratios)
+    else:
+        figures = measure_datapath(bl, mode, services, cfg)
+    sample.update(figures)
+    sample.update(mode.change(bl, services, change))
+    if first:
+        sample.update(mode.memory(bl, services))
+    return sample
+
+
 DIRECT = Direct()
 
 
-def make_modes(names: Sequence[str], manifests: Callable) -> list[Mode]:
+def make_modes(names: Sequence[str], manifests: Callable, feed=None) -> list[Mode]:
+    from kpr.bench import api
+
     factories: dict[str, Callable[[], Mode]] = {
+        **{name: lambda name=name: api.make_mode(name, feed) for name in API_MODES},
         "direct": lambda: DIRECT,
         "iptables": lambda: Iptables("iptables", "iptables-restore", "iptables"),
         "iptables-legacy": lambda: Iptables(
@@ -1064,24 +1180,50 @@ def run_bench(cfg: BenchConfig, out: Callable[[str], None] = print) -> dict:
         "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "results": [],
     }
-    with tempfile.TemporaryDirectory(prefix="kpr-bench-") as tmp:
-        for size in cfg.sizes:
-            report["results"] += _run_size(cfg, size, tool, Path(tmp), out)
+    with tempfile.TemporaryDirectory(prefix="kpr-bench-") as tmp, _api_feed(cfg, Path(tmp)) as feed:
+        for size in sorted(cfg.sizes):  # ascending: the API server's Services only grow
+            report["results"] += _run_size(cfg, size, tool, Path(tmp), out, feed)
+        if feed is not None:
+            report["kubernetes"] = feed.version()
     report["finished"] = time.strftime("%Y-%m-%dT%H:%M:%S%z")
     return report
 
 
-def _run_size(cfg: BenchConfig, size: int, tool: Path, tmp: Path, out: Callable) -> list[dict]:
+@contextlib.contextmanager
+def _api_feed(cfg: BenchConfig, tmp: Path) -> Iterator:
+    """The API server of the API-fed modes, when any is asked for."""
+    if not any(m in API_MODES for m in cfg.modes):
+        yield None
+        return
+    from kpr.bench import api
+
+    feed = api.ApiFeed(
+        tmp / "api",
+        api.ApiBenchConfig(cfg.changes, cfg.churn_rate, cfg.churn_s, cfg.idle_s, cfg.time_limit_s),
+    )
+    feed.directory.mkdir()
+    try:
+        yield feed
+    finally:
+        feed.stop()
+
+
+def _run_size(
+    cfg: BenchConfig, size: int, tool: Path, tmp: Path, out: Callable, feed=None
+) -> list[dict]:
     manifest_dir = tmp / f"manifests-{size}"
     manifests: dict = {}
 
     def get_manifests() -> tuple[Path, dict[str, str]]:
         return manifest_dir, manifests["file_of"]
 
-    modes = make_modes(cfg.modes, get_manifests)
+    modes = make_modes(cfg.modes, get_manifests, feed)
     skipped: dict[str, str] = {m.name: r for m in modes if (r := m.missing())}
+    if feed is not None:
+        skipped |= {name: why for name, why in feed.given_up.items() if name in cfg.modes}
     samples: dict[str, list[dict]] = {m.name: [] for m in modes}
-    for round_index in range(cfg.rounds):
+    generated = [m for m in modes if m.name not in API_MODES]
+    for round_index in range(cfg.rounds if generated else 0):
         bl = BenchLab(cfg.endpoints, tool)
         try:
             services = build_services(size, cfg.endpoints, bl.pod_ips)
@@ -1089,7 +1231,7 @@ def _run_size(cfg: BenchConfig, size: int, tool: Path, tmp: Path, out: Callable)
                 manifest_dir.mkdir()
                 manifests["file_of"] = write_manifests(manifest_dir, services.ports)
             change = changed_service(services, cfg.endpoints)
-            for mode in round_order(modes, round_index):
+            for mode in round_order(generated, round_index):
                 if mode.name in skipped:
                     continue
                 out(f"  {size} services, round {round_index + 1}/{cfg.rounds}: {mode.name}")
@@ -1101,6 +1243,22 @@ def _run_size(cfg: BenchConfig, size: int, tool: Path, tmp: Path, out: Callable)
                 samples[mode.name].append(sample)
         finally:
             bl.close()
+    for mode in modes:  # the API-fed modes: once each, in a lab of its own
+        if mode.name not in API_MODES or mode.name in skipped:
+            continue
+        out(f"  {size} services, fed by the API server: {mode.name}")
+        bl = BenchLab(cfg.endpoints, tool)
+        try:
+            services = build_services(size, cfg.endpoints, bl.pod_ips)
+            sample = run_slot(bl, mode, services, cfg, {}, first=True)
+        except ModeFailed as err:
+            skipped[mode.name] = str(err)
+            continue
+        finally:
+            bl.close()
+        samples[mode.name].append(sample)
+        if sample.get("not_measured"):
+            feed.given_up[mode.name] = f"not run: at {size} services, {sample['not_measured']}"
     results = []
     for mode in modes:
         entry: dict = {"services": size, "mode": mode.name, "skipped": skipped.get(mode.name)}
@@ -1120,11 +1278,14 @@ def summarize(samples: list[dict]) -> dict:
     keys = {k for s in samples for k, v in s.items() if isinstance(v, int | float)}
     for key in sorted(keys):
         if isinstance(samples[0].get(key), bool):
+            summary[key] = all(s.get(key) for s in samples)
             continue
         values = [s[key] for s in samples if isinstance(s.get(key), int | float)]
         if values:
             summary[key] = statistics.median(values)
     summary["rounds"] = len(samples)
+    if reasons := [s["not_measured"] for s in samples if s.get("not_measured")]:
+        summary["not_measured"] = reasons[0]
     if any("cleaned_up" in s for s in samples):
         summary["cleaned_up"] = all(s.get("cleaned_up") for s in samples)
     summary["all_connected"] = all(
@@ -1179,6 +1340,8 @@ def render_table(report: dict, color: bool = False) -> str:
     )
     lines = [header, "-" * len(header)]
     for entry in report["results"]:
+        if entry["mode"] in API_MODES:
+            continue
         prefix = f"{entry['services']:>8}  {entry['mode']:<16}"
         if entry["skipped"]:
             lines.append(prefix + f"skipped: {entry['skipped']}")
@@ -1216,6 +1379,105 @@ def render_table(report: dict, color: bool = False) -> str:
         "their rules are loaded. memory: kpr's agent RSS when synced; iptables/nft: "
         "peak RSS of the restore process."
     )
+    if any(e["mode"] in API_MODES for e in report["results"]):
+        lines += ["", render_api_table(report)]
+    return "\n".join(lines)
+
+
+# name, key, scale, digits, higher is better
+API_COLUMNS = (
+    ("connect p50 µs", "connect_p50_us", 1, 1, False),
+    ("p99 µs", "connect_p99_us", 1, 0, False),
+    ("conn/s", "rr_per_s", 1, 0, True),
+    ("stream Gbit/s", "stream_gbit_s", 1, 1, True),
+    ("full program s", "program_s", 1, 2, False),
+    ("proxy's sync s", "proxy_first_sync_s", 1, 2, False),
+    ("change p50 ms", "change_s", 1000, 0, False),
+    ("change p99 ms", "change_p99_s", 1000, 0, False),
+    ("churn p99 ms", "churn_p99_s", 1000, 0, False),
+    ("churn CPU %", "churn_cpu", 100, 1, False),
+    ("idle CPU %", "idle_cpu", 100, 2, False),
+    ("RSS MB", "proxy_rss_mb", 1, 0, False),
+)
+RATIO_COLUMNS = {"connect_p50_us", "connect_p99_us", "rr_per_s", "stream_gbit_s"}
+
+
+def api_rows(report: dict) -> list[tuple[dict, list[tuple[str, bool]]]]:
+    """The API-fed modes' rows (with direct at each size): per entry, its cells as (text,
+    wins), where a cell wins when it is the best of its column at that size (ratios to direct
+    for the datapath columns: their absolute values come from different moments)."""
+    entries = [e for e in report["results"] if e["mode"] in API_MODES or e["mode"] == "direct"]
+    best: dict[tuple[int, str], float] = {}
+    for e in entries:
+        s = e["summary"]
+        if e["mode"] == "direct" or not s or s.get("not_measured"):
+            continue
+        for _name, key, _scale, _digits, higher in API_COLUMNS:
+            rank = s.get(f"{key}_ratio") if key in RATIO_COLUMNS else s.get(key)
+            if rank is None:
+                continue
+            old = best.get((e["services"], key))
+            if old is None or (rank > old if higher else rank < old):
+                best[(e["services"], key)] = rank
+    rows = []
+    for e in entries:
+        s = e["summary"] or {}
+        cells = []
+        for _name, key, scale, digits, _higher in API_COLUMNS:
+            value = s.get(key)
+            text = _fmt(value * scale if value is not None else None, digits)
+            ratio = s.get(f"{key}_ratio")
+            if key in RATIO_COLUMNS and ratio is not None and e["mode"] != "direct":
+                text += f" ×{ratio:.2f}"
+            if key == "program_s" and s.get("program_timed_out"):
+                text = f"> {text} (limit)"
+            rank = ratio if key in RATIO_COLUMNS else value
+            wins = (
+                e["mode"] != "direct"
+                and rank is not None
+                and best.get((e["services"], key)) == rank
+            )
+            cells.append((text, wins))
+        rows.append((e, cells))
+    return rows
+
+
+def render_api_table(report: dict) -> str:
+    """The API-fed modes as text; * marks the best of a column at each size."""
+    widths = [max(len(name), 12) + 2 for name, *_ in API_COLUMNS]
+    header = f"{'services':>8}  {'mode':<21}" + "".join(
+        f"{name:>{w}}" for (name, *_), w in zip(API_COLUMNS, widths, strict=True)
+    )
+    lines = ["Fed by a real API server:", header, "-" * len(header)]
+    for e, cells in api_rows(report):
+        prefix = f"{e['services']:>8}  {e['mode']:<21}"
+        if e["skipped"]:
+            lines.append(prefix + f"skipped: {e['skipped']}")
+            continue
+        lines.append(prefix + "".join(
+            f"{text + ('*' if wins else ' '):>{w}}"
+            for (text, wins), w in zip(cells, widths, strict=True)
+        ))  # fmt: skip
+    lines.append(
+        "full program: proxy start, every object already in the API -> sampled Services answer "
+        "(every one then checked); proxy's sync: its first kubeproxy_sync_proxy_rules_duration"
+        "_seconds; change: API write -> first connection answered by the new endpoint; churn: "
+        "the same during the churn, CPU of the proxy (and the children it waited for) meanwhile;"
+        " * best of the column at that size."
+    )
+    return "\n".join(lines)
+
+
+def render_api_markdown(report: dict) -> str:
+    """The API-fed modes as a Markdown table, each column's best in bold."""
+    names = ["services", "mode", *(name for name, *_ in API_COLUMNS)]
+    lines = ["| " + " | ".join(names) + " |", "|---:|---|" + "---:|" * len(API_COLUMNS)]
+    for e, cells in api_rows(report):
+        if e["skipped"]:
+            lines.append(f"| {e['services']:,} | {e['mode']} | skipped: {e['skipped']} |")
+            continue
+        texts = [f"**{text}**" if wins else text for text, wins in cells]
+        lines.append(f"| {e['services']:,} | {e['mode']} | " + " | ".join(texts) + " |")
     return "\n".join(lines)
 
 
@@ -1226,48 +1488,71 @@ def _strip_ansi(text: str) -> str:
 
 
 MODE_COLORS = {"direct": "black", "iptables": "tab:orange", "iptables-legacy": "tab:brown",
-               "nftables": "tab:purple", "kpr": "tab:green"}  # fmt: skip
+               "nftables": "tab:purple", "kpr": "tab:green", "kube-proxy-iptables": "tab:red",
+               "kube-proxy-nftables": "tab:blue", "kpr-api": "tab:olive"}  # fmt: skip
+# title, keys (first found; a second one dotted), scale, log y
+PLOT_PANELS = (
+    ("connect p50, µs", ("connect_p50_us",), 1, True),
+    ("connect p99, µs", ("connect_p99_us",), 1, True),
+    ("connections/s (1-byte request/answer)", ("rr_per_s",), 1, False),
+    ("one stream, Gbit/s", ("stream_gbit_s",), 1, False),
+    ("full programming, s", ("program_s",), 1, True),
+    ("one endpoint change, s (p50; p99 dotted)", ("change_s", "change_p99_s"), 1, True),
+    ("change during churn, p99 s", ("churn_p99_s",), 1, True),
+    ("proxy CPU during churn, % of a core", ("churn_cpu",), 100, True),
+    ("proxy CPU idle, % of a core", ("idle_cpu",), 100, True),
+    ("memory, MB", ("agent_rss_mb", "restore_peak_rss_mb", "proxy_rss_mb"), 1, True),
+)
 
 
 def write_plot(report: dict, path: Path) -> None:
+    """Every figure against the number of Services, a line per mode."""
     import matplotlib
 
     matplotlib.use("Agg")  # no display needed
     import matplotlib.pyplot as plt
     from matplotlib.ticker import FuncFormatter, NullFormatter
 
-    fig, (lat, prog) = plt.subplots(1, 2, figsize=(12, 4.8))
     by_mode: dict[str, list[tuple[int, dict]]] = {}
     for entry in report["results"]:
         if entry["summary"]:
             by_mode.setdefault(entry["mode"], []).append((entry["services"], entry["summary"]))
     sizes = sorted({n for points in by_mode.values() for n, _ in points})
-    for mode, points in by_mode.items():
-        points.sort(key=lambda p: p[0])
-        xs = [n for n, _ in points]
-        color = MODE_COLORS.get(mode)
-        lat.plot(xs, [s.get("connect_p50_us") for _, s in points], marker="o", color=color,
-                 label=f"{mode} p50")  # fmt: skip
-        lat.plot(xs, [s.get("connect_p99_us") for _, s in points], marker=".", color=color,
-                 linestyle=":", alpha=0.6, label=f"{mode} p99")  # fmt: skip
-        if mode != "direct":
-            prog.plot(xs, [s.get("program_s") for _, s in points], marker="o", color=color,
-                      label=f"{mode} full")  # fmt: skip
-            prog.plot(xs, [s.get("change_s") for _, s in points], marker=".", color=color,
-                      linestyle=":", alpha=0.6, label=f"{mode} 1 endpoint")  # fmt: skip
-    endpoints = report["config"]["endpoints"]
-    lat.set(ylabel="connect() latency, µs", title="connect latency (p50 solid, p99 dotted)")
-    prog.set(ylabel="seconds", title="programming: all services (solid), one endpoint (dotted)")
-    for ax in (lat, prog):
-        ax.set(xscale="log", yscale="log", xlabel=f"services ({endpoints} endpoints each)")
-        ax.set_xticks(sizes)
+    fig, axes = plt.subplots(2, 5, figsize=(22, 8.5))
+    for ax, (title, keys, scale, log_y) in zip(axes.flat, PLOT_PANELS, strict=True):
+        for mode, points in sorted(by_mode.items()):
+            points.sort(key=lambda p: p[0])
+            styles = ("-", ":") if keys[0] == "change_s" else ("-",) * len(keys)
+            for key, style in zip(keys, styles, strict=False):
+                xy = [(n, s[key] * scale) for n, s in points if s.get(key) is not None]
+                if not xy:
+                    continue
+                label = mode if style == "-" else None
+                ax.plot([x for x, _ in xy], [y for _, y in xy], marker="o", linestyle=style,
+                        color=MODE_COLORS.get(mode), label=label)  # fmt: skip
+                if keys[0] != "change_s":
+                    break  # the first key a mode has
+        ax.set(xscale="log", title=title, xlabel="services")
+        if log_y:
+            ax.set_yscale("log")
+        if sizes:
+            ax.set_xticks(sizes)
         ax.xaxis.set_major_formatter(FuncFormatter(lambda x, _pos: f"{x:,.0f}"))
         ax.xaxis.set_minor_formatter(NullFormatter())
         ax.grid(True, which="both", alpha=0.3)
-        ax.legend(fontsize=7)
-    fig.suptitle(f"kpr bench on {report['machine']['cpu'] or 'this machine'}", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+        ax.title.set_fontsize(9)
+    handles, labels = axes.flat[0].get_legend_handles_labels()
+    for ax in axes.flat[1:]:
+        for h, label in zip(*ax.get_legend_handles_labels(), strict=True):
+            if label not in labels:
+                handles.append(h)
+                labels.append(label)
+    fig.legend(handles, labels, loc="lower center", ncol=len(labels), fontsize=8)
+    endpoints = report["config"]["endpoints"]
+    fig.suptitle(f"kpr bench, {endpoints} endpoints per Service, on "
+                 f"{report['machine']['cpu'] or 'this machine'}", fontsize=10)  # fmt: skip
+    fig.tight_layout(rect=(0, 0.04, 1, 1))
+    fig.savefig(path, dpi=100)
     plt.close(fig)
 
 
@@ -1287,13 +1572,14 @@ def config_from_options(
     connections: int,
     rounds: int,
     stream_mb: int,
+    **api: float,
 ) -> BenchConfig:
     try:
         sizes = [int(item) for item in parse_list(services, "services")]
     except ValueError as err:
         raise BenchError(f"--services: not a list of numbers: {services!r}") from err
     cfg = BenchConfig(sizes, endpoints, parse_list(modes, "modes"), connections, rounds,
-                      stream_mb, json_path, plot_path)  # fmt: skip
+                      stream_mb, json_path, plot_path, **api)  # fmt: skip
     cfg.validate()
     return cfg
 

@@ -24,8 +24,8 @@ from pathlib import Path
 
 import yaml
 
-from kpr.lab.kube import build, dns
-from kpr.lab.kube.controlplane import ControlPlane, stop_recorded
+from kpr.lab.kube import build, dns, objects
+from kpr.lab.kube.controlplane import ControlPlane, launch_logged, stop_recorded
 from kpr.lab.kube.images import KPR_IMAGE, build_images
 from kpr.lab.kube.node import Node, remove
 
@@ -190,30 +190,13 @@ class RealCluster:
             raise
 
     def kubectl(self, *args: str, check: bool = True, timeout: float = 120) -> str:
-        done = subprocess.run(
-            [str(self.bin_dir / "kubectl"), f"--kubeconfig={self.kubeconfig}", *args],
-            capture_output=True,
-            text=True,
-            check=False,
-            timeout=timeout,
-        )
-        if check and done.returncode != 0:
-            raise RuntimeError(f"kubectl {' '.join(args)}: {done.stderr.strip()}")
-        return done.stdout
+        return objects.kubectl(self.bin_dir, self.kubeconfig, *args, check=check, timeout=timeout)
 
-    def kubectl_apply(self, objects: list[dict]) -> str:
+    def kubectl_apply(self, items: list[dict]) -> str:
         """`kubectl apply -f -` of these objects."""
-        done = subprocess.run(
-            [str(self.bin_dir / "kubectl"), f"--kubeconfig={self.kubeconfig}", "apply", "-f", "-"],
-            input=yaml.safe_dump_all(objects),
-            capture_output=True,
-            text=True,
-            check=False,
-            timeout=120,
+        return objects.kubectl(
+            self.bin_dir, self.kubeconfig, "apply", "-f", "-", stdin=yaml.safe_dump_all(items)
         )
-        if done.returncode != 0:
-            raise RuntimeError(f"kubectl apply: {done.stderr.strip()}")
-        return done.stdout
 
     def install_kpr(self, image: str = KPR_IMAGE) -> None:
         """`kubectl apply -k` of the lab overlay; wait until every node's kpr pod is Ready."""
@@ -240,15 +223,10 @@ class RealCluster:
             config.write_text(
                 KUBE_PROXY_CONFIG.format(mode=mode, kubeconfig=kubeconfig, node=node.name)
             )
-            log = open(node.directory / "logs" / "kube-proxy.log", "ab")  # noqa: SIM115
-            self.kube_proxies[node.name] = subprocess.Popen(
+            self.kube_proxies[node.name] = launch_logged(
                 node.command([str(self.bin_dir / "kube-proxy"), f"--config={config}", "--v=1"]),
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=log,
-                start_new_session=True,
+                node.directory / "logs" / "kube-proxy.log",
             )
-            log.close()
 
     def stop(self) -> None:
         for process in self.kube_proxies.values():

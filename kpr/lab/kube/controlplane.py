@@ -412,18 +412,9 @@ class ControlPlane:
         ]
 
     def _launch(self, component: Component) -> None:
-        log = open(self.directory / "logs" / f"{component.name}.log", "ab")  # noqa: SIM115
         enter = ["nsenter", f"--net={self.netns_path}", "--"] if self.in_netns else []
-        try:
-            component.process = subprocess.Popen(
-                [*enter, *component.argv],
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=log,
-                start_new_session=True,  # a terminal's ^C goes to `up`, which stops them in order
-            )
-        finally:
-            log.close()
+        log = self.directory / "logs" / f"{component.name}.log"
+        component.process = launch_logged([*enter, *component.argv], log)
         self._save_state()
 
     def _save_state(self) -> None:
@@ -481,10 +472,22 @@ class ControlPlane:
             return 0, str(err)
 
     def log_tail(self, name: str, lines: int = 15) -> str:
-        path = self.directory / "logs" / f"{name}.log"
-        if not path.exists():
-            return "(no log)"
-        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+        return log_tail(self.directory / "logs" / f"{name}.log", lines)
+
+
+def launch_logged(argv: list[str], log: Path, **kw: object) -> subprocess.Popen:
+    """Start a lab process: output appended to ``log``, in a session of its own (a terminal's
+    ^C goes to the lab's driver, which stops its processes in order)."""
+    with open(log, "ab") as out:
+        return subprocess.Popen(
+            argv, stdin=subprocess.DEVNULL, stdout=out, stderr=out, start_new_session=True, **kw
+        )
+
+
+def log_tail(path: Path, lines: int = 15) -> str:
+    if not path.exists():
+        return "(no log)"
+    return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
 
 
 def _stop_process(process: subprocess.Popen, sig: int = signal.SIGTERM) -> None:

@@ -32,7 +32,13 @@ from pathlib import Path
 import yaml
 
 from kpr.host import cgroup2_root
-from kpr.lab.kube.controlplane import CLUSTER_DOMAIN, ControlPlane, _stop_process
+from kpr.lab.kube.controlplane import (
+    CLUSTER_DOMAIN,
+    ControlPlane,
+    _stop_process,
+    launch_logged,
+    log_tail,
+)
 from kpr.lab.netns import _delete_netns, _ip_batch, _netns_names, _remove_cgroup, _run
 
 CNI_BIN_DIR = "/usr/lib/cni"  # Debian's containernetworking-plugins
@@ -366,17 +372,8 @@ disabled_plugins = ["io.containerd.snapshotter.v1.aufs", "io.containerd.snapshot
         ]
 
     def _launch(self, name: str, argv: list[str]) -> None:
-        log = open(self._path("logs") / f"{name}.log", "ab")  # noqa: SIM115
-        try:
-            self.processes[name] = subprocess.Popen(
-                self.command(argv),
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=log,
-                start_new_session=True,
-            )
-        finally:
-            log.close()
+        log = self._path("logs") / f"{name}.log"
+        self.processes[name] = launch_logged(self.command(argv), log)
 
     def _ctr(self, *args: str, check: bool = False) -> str | None:
         done = subprocess.run(
@@ -407,10 +404,7 @@ disabled_plugins = ["io.containerd.snapshotter.v1.aufs", "io.containerd.snapshot
         )
 
     def log_tail(self, name: str, lines: int = 15) -> str:
-        path = self._path("logs") / f"{name}.log"
-        if not path.exists():
-            return "(no log)"
-        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+        return log_tail(self._path("logs") / f"{name}.log", lines)
 
 
 def v1_controllers() -> list[Path]:

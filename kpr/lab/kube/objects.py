@@ -136,15 +136,24 @@ def force_delete(core: client.CoreV1Api, namespace: str, name: str) -> None:
     core.delete_namespaced_pod(name, namespace, grace_period_seconds=0)
 
 
-def kubectl(bin_dir: Path, kubeconfig: Path, *args: str, stdin: str | None = None) -> str:
+def kubectl(
+    bin_dir: Path,
+    kubeconfig: Path,
+    *args: str,
+    stdin: str | None = None,
+    check: bool = True,
+    timeout: float = 120,
+) -> str:
+    """The lab's kubectl with ``kubeconfig``; its output, or RuntimeError with its stderr."""
     done = subprocess.run(
         [str(bin_dir / "kubectl"), f"--kubeconfig={kubeconfig}", *args],
         input=stdin,
         capture_output=True,
         text=True,
         check=False,
+        timeout=timeout,
     )
-    if done.returncode != 0:
+    if check and done.returncode != 0:
         raise RuntimeError(f"kubectl {' '.join(args)} failed: {done.stderr.strip()}")
     return done.stdout
 
