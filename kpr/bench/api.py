@@ -387,6 +387,21 @@ class ApiMode(run.Mode):
     # the measurements
     def program(self, bl: BenchLab, services: ServiceSet) -> dict:
         figures = self.feed.hold(services, bl)
+        figures.update(self.start_programmed(bl, services))
+        if figures.get("program_timed_out"):
+            raise TimedOut(figures["program_timed_out"], figures)
+        sweep = bl.client(
+            ["sweep", "1000", str(run.VIP_NET[run.VIP_FIRST]), str(services.size), "80"]
+        )
+        figures.update(every_service_answered=sweep["failed"] == 0, sweep=sweep)
+        if sweep["failed"]:
+            raise ModeFailed(f"{self.name}: programmed, but {sweep['failed']} Services did not "
+                             f"answer (first: {sweep['first_failed']})")  # fmt: skip
+        return figures
+
+    def start_programmed(self, bl: BenchLab, services: ServiceSet) -> dict:
+        """Start the proxy, with every object in the API; wait until the sampled Services
+        answer (or the time limit). Its figures; ``program_timed_out`` says why it is not."""
         _add_sink_route(bl)
         limit = self.feed.cfg.time_limit_s
         started = time.time()
@@ -408,27 +423,19 @@ class ApiMode(run.Mode):
         outcome = json.loads(ready.stdout.read())  # type: ignore[union-attr]
         if first_sync is None:
             first_sync = self._metric(bl)
-        figures.update(
-            program_s=outcome["at"] - started,
-            proxy_first_sync_s=first_sync["sum"] / first_sync["count"]
+        figures: dict = {
+            "program_s": outcome["at"] - started,
+            "proxy_first_sync_s": first_sync["sum"] / first_sync["count"]
             if first_sync["count"]
             else None,
-            proxy_syncs_until_programmed=first_sync["count"],
-        )
+            "proxy_syncs_until_programmed": first_sync["count"],
+        }
         if not outcome["ready"]:
-            figures.update(program_s=limit, program_timed_out=True)
-            raise TimedOut(
+            figures["program_s"] = limit
+            figures["program_timed_out"] = (
                 f"{self.name}: {outcome['reached']} of {outcome['targets']} sampled Services "
-                f"answered within the time limit ({limit:.0f} s)",
-                figures,
+                f"answered within the time limit ({limit:.0f} s)"
             )
-        sweep = bl.client(
-            ["sweep", "1000", str(run.VIP_NET[run.VIP_FIRST]), str(services.size), "80"]
-        )
-        figures.update(every_service_answered=sweep["failed"] == 0, sweep=sweep)
-        if sweep["failed"]:
-            raise ModeFailed(f"{self.name}: programmed, but {sweep['failed']} Services did not "
-                             f"answer (first: {sweep['first_failed']})")  # fmt: skip
         return figures
 
     def change(self, bl: BenchLab, services: ServiceSet, changed: dict) -> dict:
@@ -451,10 +458,6 @@ class ApiMode(run.Mode):
             churn_cpu = (cpu_seconds(self.process.pid) - cpu) / (time.monotonic() - wall)
         finally:
             client.close()
-        time.sleep(2.0)  # the last churn change's sync
-        cpu, wall = cpu_seconds(self.process.pid), time.monotonic()
-        time.sleep(cfg.idle_s)
-        idle_cpu = (cpu_seconds(self.process.pid) - cpu) / (time.monotonic() - wall)
         syncs = after["count"] - before["count"]
         return {
             "change_latency_s": quiet["latency"],
@@ -468,8 +471,6 @@ class ApiMode(run.Mode):
             "churn_p99_s": under["latency"].get("p99"),
             "churn_failures": under["failures"],
             "churn_cpu": churn_cpu,
-            "idle_s": cfg.idle_s,
-            "idle_cpu": idle_cpu,
         }
 
     def _changes(
@@ -507,15 +508,46 @@ class ApiMode(run.Mode):
             done.append(n)
             n += 1
 
-    def memory(self, bl: BenchLab, services: ServiceSet) -> dict:
-        assert self.process is not None
-        return memory_mb(self.process.pid)
-
     def cleanup(self, bl: BenchLab) -> None:
         self.stop(bl)
         with contextlib.suppress(RuntimeError):
             run._run(["ip", "-n", bl.lab.node_netns, "route", "del", "local", str(run.FAKE_NET),
                       "dev", "lo"])  # fmt: skip
+
+
+def idle_side_by_side(
+    modes: list[ApiMode], services: ServiceSet, idle_s: float, new_lab
+) -> dict[str, dict]:
+    """Each mode started again in a lab of its own, all at once (idle, they share little but
+    the API server); once each has programmed every Service, their CPU over the same
+    ``idle_s`` seconds, and their memory. By mode name."""
+    labs: dict[str, BenchLab] = {}
+    figures: dict[str, dict] = {}
+    try:
+        for mode in modes:
+            labs[mode.name] = new_lab()
+            started = mode.start_programmed(labs[mode.name], services)
+            if started.get("program_timed_out"):
+                figures[mode.name] = {"idle_not_measured": started["program_timed_out"]}
+        time.sleep(2.0)
+        measured = [m for m in modes if m.name not in figures]
+        before = {m.name: cpu_seconds(m.process.pid) for m in measured}  # type: ignore[union-attr]
+        wall = time.monotonic()
+        time.sleep(idle_s)
+        seconds = time.monotonic() - wall
+        for mode in measured:
+            assert mode.process is not None
+            used = cpu_seconds(mode.process.pid) - before[mode.name]
+            figures[mode.name] = {"idle_s": seconds, "idle_cpu": used / seconds,
+                                  **memory_mb(mode.process.pid)}  # fmt: skip
+    finally:
+        for mode in modes:
+            if mode.name in labs:
+                try:
+                    mode.cleanup(labs[mode.name])
+                finally:
+                    labs[mode.name].close()
+    return figures
 
 
 def _add_sink_route(bl: BenchLab) -> None:

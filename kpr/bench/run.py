@@ -1243,13 +1243,14 @@ def _run_size(
                 samples[mode.name].append(sample)
         finally:
             bl.close()
+    api_services = None
     for mode in modes:  # the API-fed modes: once each, in a lab of its own
         if mode.name not in API_MODES or mode.name in skipped:
             continue
         out(f"  {size} services, fed by the API server: {mode.name}")
         bl = BenchLab(cfg.endpoints, tool)
         try:
-            services = build_services(size, cfg.endpoints, bl.pod_ips)
+            services = api_services = build_services(size, cfg.endpoints, bl.pod_ips)
             sample = run_slot(bl, mode, services, cfg, {}, first=True)
         except ModeFailed as err:
             skipped[mode.name] = str(err)
@@ -1259,6 +1260,21 @@ def _run_size(
         samples[mode.name].append(sample)
         if sample.get("not_measured"):
             feed.given_up[mode.name] = f"not run: at {size} services, {sample['not_measured']}"
+    measured = [m for m in modes if m.name in API_MODES and samples[m.name]
+                and not samples[m.name][0].get("not_measured")]  # fmt: skip
+    if measured and api_services is not None and cfg.idle_s > 0:
+        from kpr.bench import api
+
+        out(f"  {size} services, idle side by side for {cfg.idle_s:.0f} s: "
+            + ", ".join(m.name for m in measured))  # fmt: skip
+        idle = api.idle_side_by_side(
+            measured,  # type: ignore[arg-type]
+            api_services,
+            cfg.idle_s,
+            lambda: BenchLab(cfg.endpoints, tool),
+        )
+        for name, figures in idle.items():
+            samples[name][0].update(figures)
     results = []
     for mode in modes:
         entry: dict = {"services": size, "mode": mode.name, "skipped": skipped.get(mode.name)}
@@ -1499,8 +1515,8 @@ PLOT_PANELS = (
     ("full programming, s", ("program_s",), 1, True),
     ("one endpoint change, s (p50; p99 dotted)", ("change_s", "change_p99_s"), 1, True),
     ("change during churn, p99 s", ("churn_p99_s",), 1, True),
-    ("proxy CPU during churn, % of a core", ("churn_cpu",), 100, True),
-    ("proxy CPU idle, % of a core", ("idle_cpu",), 100, True),
+    ("proxy CPU during churn, % of a core", ("churn_cpu",), 100, False),
+    ("proxy CPU idle, % of a core", ("idle_cpu",), 100, False),
     ("memory, MB", ("agent_rss_mb", "restore_peak_rss_mb", "proxy_rss_mb"), 1, True),
 )
 
