@@ -1627,3 +1627,41 @@ def _interrupt_as_exception() -> Iterator[None]:
         yield
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+def side_by_side_markdown(report: dict) -> str:
+    """Each generated-rules mode beside the real proxy it stands for, at each size: what the
+    two programmings and one endpoint change cost."""
+    pairs = (("iptables", "kube-proxy-iptables"), ("nftables", "kube-proxy-nftables"),
+             ("kpr", "kpr-api"))  # fmt: skip
+    found = {(e["services"], e["mode"]): e["summary"] for e in report["results"] if e["summary"]}
+    lines = [
+        "| services | generated | real | full program s (generated / real) "
+        "| 1 endpoint change ms (generated / real p50) | connect p50 × (generated / real) |",
+        "|---:|---|---|---:|---:|---:|",
+    ]
+
+    def cell(a: dict, b: dict, key: str, scale: float, digits: int) -> str:
+        return " / ".join(_fmt(s[key] * scale, digits) if s.get(key) is not None else "-"
+                          for s in (a, b))  # fmt: skip
+
+    for size in sorted({n for n, _ in found}):
+        for generated, real in pairs:
+            a, b = found.get((size, generated)), found.get((size, real))
+            if a is None or b is None:
+                continue
+            lines.append(
+                f"| {size:,} | {generated} | {real} | {cell(a, b, 'program_s', 1, 2)} "
+                f"| {cell(a, b, 'change_s', 1000, 1)} "
+                f"| {cell(a, b, 'connect_p50_us_ratio', 1, 2)} |"
+            )
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    # python -m kpr.bench.run markdown RESULTS.json: the tables docs/benchmarks.md shows
+    if sys.argv[1:2] != ["markdown"] or len(sys.argv) != 3:
+        sys.exit("usage: python -m kpr.bench.run markdown RESULTS.json")
+    loaded = json.loads(Path(sys.argv[2]).read_text())
+    print(render_api_markdown(loaded), end="\n\n")
+    print(side_by_side_markdown(loaded))
