@@ -214,21 +214,38 @@ class ApiFeed:
             groups.setdefault(sp.name, []).append(sp)
         wanted = {name: _service_objects(group) for name, group in groups.items()}
         texts = {name: json.dumps(objs, sort_keys=True) for name, objs in wanted.items()}
-        stale = [n for n in self.held if n not in wanted or self.held[n] != texts[n]]
+        gone = [n for n in self.held if n not in wanted]
+        changed = [n for n in self.held if n in wanted and self.held[n] != texts[n]]
+        new = [n for n in wanted if n not in self.held]
         with ThreadPoolExecutor(CREATE_THREADS) as pool:
-            list(pool.map(self._delete, stale))
-            for name in stale:
-                del self.held[name]
-            todo = [n for n in wanted if n not in self.held]
-            list(pool.map(lambda n: self._create(*wanted[n]), todo))
-        self.held.update({n: texts[n] for n in todo})
-        return {"api_objects_written": 2 * (len(todo) + len(stale)),
+            list(pool.map(self._delete, gone))
+            # updated in place: a ClusterIP deleted and at once asked for again can still be
+            # held by the allocator
+            list(pool.map(lambda n: self._replace(*wanted[n]), changed))
+            list(pool.map(lambda n: self._create(*wanted[n]), new))
+        for name in gone:
+            del self.held[name]
+        self.held.update({n: texts[n] for n in changed + new})
+        return {"api_objects_written": 2 * (len(gone) + len(changed) + len(new)),
                 "api_write_s": time.monotonic() - started}  # fmt: skip
 
     def _create(self, service: dict, slice_: dict) -> None:
         self.core.create_namespaced_service(run.NAMESPACE, service, _preload_content=False)
         self.discovery.create_namespaced_endpoint_slice(
             run.NAMESPACE, slice_, _preload_content=False
+        )
+
+    def _replace(self, service: dict, slice_: dict) -> None:
+        name = service["metadata"]["name"]
+        current = self.core.read_namespaced_service(name, run.NAMESPACE)
+        service["metadata"]["resourceVersion"] = current.metadata.resource_version
+        self.core.replace_namespaced_service(name, run.NAMESPACE, service, _preload_content=False)
+        current_slice = self.discovery.read_namespaced_endpoint_slice(
+            f"{name}-bench", run.NAMESPACE
+        )
+        slice_["metadata"]["resourceVersion"] = current_slice.metadata.resource_version
+        self.discovery.replace_namespaced_endpoint_slice(
+            f"{name}-bench", run.NAMESPACE, slice_, _preload_content=False
         )
 
     def _delete(self, name: str) -> None:
