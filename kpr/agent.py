@@ -89,6 +89,10 @@ class AgentConfig:
     min_sync_period: float = 1.0  # at most one sync per this, under churn
     sync_period: float = 30.0  # a full sync at least this often, repairing drift
     kubeconfig: str | None = None  # recorded for `kpr status NAMESPACE/NAME`
+    # where the network namespaces of pods are found without their PIDs (pod sandboxes'
+    # netns files), for terminating connected UDP sockets; default $KPR_NETNS_DIRS, else
+    # /run/netns and /var/run/netns
+    netns_dirs: tuple[Path, ...] = field(default_factory=sockets.netns_dirs_from_env)
 
 
 @dataclass
@@ -207,6 +211,7 @@ class Agent:
         # a cleanup's marker is for the agent that ran then: this one programs again
         runstate.removed_path(cfg.pin_dir).unlink(missing_ok=True)
         self.state.save()
+        sockets.report_sources(cgroup, cfg.netns_dirs)
         log.info(
             "programs pinned in %s, to be attached to cgroup %s after the first sync; the "
             "maps hold %d frontends, %d backends",
@@ -563,13 +568,16 @@ class Agent:
 
     def _terminate_stale_udp(self, before: set[Backend], touched: set[Frontend] | None) -> None:
         """Connected UDP sockets to backends no UDP frontend uses any more are destroyed,
-        off the sync path (it visits every network namespace of the cgroup)."""
+        off the sync path (it visits every network namespace of the cgroup and of the
+        netns directories)."""
         gone = before - self._udp_backends(touched)
         if gone:
             gone -= self._udp_backends(None)
         if gone and self.cgroup is not None:
             threading.Thread(
-                target=sockets.terminate_udp, args=(gone, self.cgroup), daemon=True
+                target=sockets.terminate_udp,
+                args=(gone, self.cgroup, self.config.netns_dirs),
+                daemon=True,
             ).start()
 
     def wait_saved(self) -> None:

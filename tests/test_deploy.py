@@ -390,6 +390,21 @@ def test_daemonset_mounts_the_hosts_bpffs_cgroup_and_headers(rendered, daemonset
     assert volume["hostPath"]["path"] == mount["mountPath"] == str(runstate.RUN_DIR)
 
 
+def test_daemonset_mounts_the_pods_netns_files_where_kpr_looks(daemonset):
+    """No hostPID: kpr enters the pods' network namespaces (to destroy connected UDP sockets
+    to a removed backend) by the netns files the runtime binds in /run/netns, which must
+    reach the pod as pods start (HostToContainer)."""
+    from kpr.datapath import sockets
+
+    assert not daemonset["spec"]["template"]["spec"].get("hostPID")
+    env = {e["name"] for e in container(daemonset)["env"]}
+    assert sockets.NETNS_DIRS_ENV not in env  # the defaults, of which /run/netns is one
+    mount, volume = covering_mount(daemonset, Path("/run/netns"))
+    assert Path(mount["mountPath"]) in sockets.DEFAULT_NETNS_DIRS
+    assert volume["hostPath"]["path"] == mount["mountPath"] == "/run/netns"
+    assert mount["mountPropagation"] == "HostToContainer"
+
+
 def test_daemonset_capabilities(daemonset):
     sc = container(daemonset)["securityContext"]
     assert sc["privileged"] is False
