@@ -115,6 +115,14 @@ def run(
     sync_period: Annotated[
         float | None, typer.Option(help="Seconds: a full sync (repairing drift) this often.")
     ] = None,
+    netns_dir: Annotated[
+        list[Path] | None,
+        typer.Option(
+            help="Where pods' network namespaces are bound (repeatable; default "
+            "$KPR_NETNS_DIRS, else /run/netns and /var/run/netns): entered to end connected "
+            "UDP sockets to removed backends when kpr cannot see the pods' processes."
+        ),
+    ] = None,
     map_sizes: Annotated[
         str | None,
         typer.Option(
@@ -229,6 +237,7 @@ def run(
             min_sync_period=proxy.min_sync_period,
             sync_period=proxy.sync_period,
             kubeconfig=kubeconfig or proxy.kubeconfig,
+            **({"netns_dirs": tuple(netns_dir)} if netns_dir else {}),
         )
         health = ProxyHealth(proxy.sync_period)
         if proxy.healthz_bind_address:

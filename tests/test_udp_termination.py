@@ -193,9 +193,9 @@ def confined_agent(lab, tmp_path, pin_dir, netns_dir):
         "nsenter", f"--net=/run/netns/{lab.node_netns}",
         "unshare", "--pid", "--mount-proc", "--kill-child", "--propagation", "slave",
         *KPR, "run", "--devices", "none", "--source", str(source), "--cgroup", str(lab.cgroup),
-        "--bpffs", str(pin_dir), "--node-name", "node-1",
+        "--bpffs", str(pin_dir), "--node-name", "node-1", "--netns-dir", str(netns_dir),
     ]  # fmt: skip
-    env = {**os.environ, "KPR_NETNS_DIRS": str(netns_dir)}
+    env = {k: v for k, v in os.environ.items() if k != "KPR_NETNS_DIRS"}
     started = time.time()
     with log.open("w") as out:
         agent = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env)
