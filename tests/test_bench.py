@@ -439,3 +439,22 @@ def test_the_api_fed_modes_sample_services_across_the_list():
     with pytest.raises(bench.BenchError, match="API-fed modes hold at most"):
         bench.BenchConfig(sizes=[api.MAX_SERVICES + 1], modes=["kpr-api"]).validate()
     bench.BenchConfig(sizes=[api.MAX_SERVICES + 1], modes=["kpr"]).validate()
+
+
+def test_runs_at_different_sizes_make_one_table_and_plot(tmp_path):
+    runs = []
+    for size in (1000, 30000):
+        report = {"command": f"kpr bench --services {size}", "machine": {"cpu": ""},
+                  "config": {"endpoints": 10}, "results": [
+                      {"services": size, "mode": "kpr-api", "skipped": None,
+                       "summary": {"program_s": size / 1000, "connect_p50_us_ratio": 1.0}}]}  # fmt: skip
+        runs.append(tmp_path / f"{size}.json")
+        runs[-1].write_text(json.dumps(report))
+    report = bench.merged(runs)
+    assert [e["services"] for e in report["results"]] == [1000, 30000]
+    assert [r["command"] for r in report["runs"]] == [
+        "kpr bench --services 1000", "kpr bench --services 30000"]  # fmt: skip
+    markdown = bench.render_api_markdown(report)
+    assert "| 1,000 | kpr-api |" in markdown and "| 30,000 | kpr-api |" in markdown
+    bench.write_plot(report, tmp_path / "plot.png")
+    assert (tmp_path / "plot.png").stat().st_size > 10_000

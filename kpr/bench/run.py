@@ -1658,10 +1658,26 @@ def side_by_side_markdown(report: dict) -> str:
     return "\n".join(lines)
 
 
+def merged(paths: Sequence[Path]) -> dict:
+    """Several runs' reports as one (their results one after the other), for one table and
+    one plot across sizes measured by separate commands."""
+    reports = [json.loads(path.read_text()) for path in paths]
+    report = dict(reports[0])
+    report["results"] = [entry for r in reports for entry in r["results"]]
+    report["runs"] = [{k: r.get(k) for k in ("command", "started", "finished")} for r in reports]
+    return report
+
+
+USAGE = """usage: python -m kpr.bench.run markdown RESULTS.json...
+       python -m kpr.bench.run plot OUT.png RESULTS.json...
+the tables and the plot of docs/benchmarks.md, from one or more `kpr bench --json` runs"""
+
 if __name__ == "__main__":
-    # python -m kpr.bench.run markdown RESULTS.json: the tables docs/benchmarks.md shows
-    if sys.argv[1:2] != ["markdown"] or len(sys.argv) != 3:
-        sys.exit("usage: python -m kpr.bench.run markdown RESULTS.json")
-    loaded = json.loads(Path(sys.argv[2]).read_text())
-    print(render_api_markdown(loaded), end="\n\n")
-    print(side_by_side_markdown(loaded))
+    if sys.argv[1:2] == ["markdown"] and len(sys.argv) > 2:
+        loaded = merged([Path(a) for a in sys.argv[2:]])
+        print(render_api_markdown(loaded), end="\n\n")
+        print(side_by_side_markdown(loaded))
+    elif sys.argv[1:2] == ["plot"] and len(sys.argv) > 3:
+        write_plot(merged([Path(a) for a in sys.argv[3:]]), Path(sys.argv[2]))
+    else:
+        sys.exit(USAGE)
