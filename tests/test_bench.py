@@ -444,10 +444,10 @@ def test_the_api_fed_modes_sample_services_across_the_list():
 def test_runs_at_different_sizes_make_one_table_and_plot(tmp_path):
     runs = []
     for size in (1000, 30000):
+        summary = {"program_s": size / 1000, "connect_p50_us_ratio": 1.0}
+        entry = {"services": size, "mode": "kpr-api", "skipped": None, "summary": summary}
         report = {"command": f"kpr bench --services {size}", "machine": {"cpu": ""},
-                  "config": {"endpoints": 10}, "results": [
-                      {"services": size, "mode": "kpr-api", "skipped": None,
-                       "summary": {"program_s": size / 1000, "connect_p50_us_ratio": 1.0}}]}  # fmt: skip
+                  "config": {"endpoints": 10}, "results": [entry]}  # fmt: skip
         runs.append(tmp_path / f"{size}.json")
         runs[-1].write_text(json.dumps(report))
     report = bench.merged(runs)
