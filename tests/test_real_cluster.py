@@ -135,6 +135,35 @@ def test_kubectl_exec_into_the_kpr_pod_runs_kpr_status(cluster):
     assert "10.96.0.1:443/TCP" in status
 
 
+def test_the_kpr_pod_finds_every_pods_network_namespace_without_host_pids(cluster, web):
+    """Connected UDP sockets are ended in the pods' namespaces: kpr's pod (no hostPID) finds
+    them through the node's /run/netns, mounted as the DaemonSet mounts it, pods started
+    after kpr included (web and client were)."""
+    node = cluster.members[0].name
+    everything = json.loads(cluster.kubectl("get", "pods", "-A", "-o", "json"))["items"]
+    pod_network = [
+        p for p in everything
+        if p["spec"].get("nodeName") == node and not p["spec"].get("hostNetwork")
+    ]  # fmt: skip
+    assert len(pod_network) >= 2  # web-node-1 and client at least
+    kpr = next(
+        p["metadata"]["name"]
+        for p in pods(cluster, "app.kubernetes.io/name=kpr", "kube-system")
+        if p["spec"]["nodeName"] == node
+    )
+    script = (
+        "import os; from pathlib import Path; from kpr.datapath import sockets; "
+        "found = sockets.network_namespaces(Path('/sys/fs/cgroup/unified'), "
+        "sockets.netns_dirs_from_env()); "
+        "print(len(found), os.path.exists('/proc/1/cmdline') and "
+        "b'kpr' in open('/proc/1/cmdline', 'rb').read())"
+    )
+    out = exec_in(cluster, kpr, "python3", "-c", script, namespace="kube-system").split()
+    # the node's own namespace (kpr's, hostNetwork) and one per pod-network pod
+    assert int(out[0]) >= len(pod_network) + 1, (out, [p["metadata"]["name"] for p in pod_network])
+    assert out[1] == "True"  # kpr is PID 1 of its pod: no host PIDs to find them by
+
+
 def test_pods_reach_a_cluster_ip_across_both_nodes_through_kpr(cluster, web):
     cluster_ip = web["spec"]["clusterIP"]
 
