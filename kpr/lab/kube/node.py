@@ -228,6 +228,9 @@ class Node:
         self.cgroup.mkdir(exist_ok=True)
         for target in NODE_DIRS.values():
             Path(target).mkdir(parents=True, exist_ok=True)  # empty mount points on the machine
+        # A real node has its kernel's modules there, and kpr's DaemonSet mounts it (up to
+        # 0.0.9 as a hostPath of type Directory); a machine without modules has none.
+        Path("/lib/modules").mkdir(exist_ok=True)
         binds = "".join(
             f'mount --bind "{self._path(name)}" "{target}" && '
             for name, target in NODE_DIRS.items()
