@@ -170,14 +170,15 @@ def test_kpr_serves_a_clusterip_on_a_node_without_kernel_headers(
     if shutil.which("unshare") is None:
         pytest.skip("needs util-linux's unshare for a private mount namespace")
     monkeypatch.delenv("BCC_KERNEL_SOURCE", raising=False)  # the choice is the agent's
-    # what the agent sees: no headers of the node's own
+    # what the agent sees: no headers of the node's own (a machine without kernel modules has
+    # no /lib/modules/<release> at all, as many such nodes)
     seen = subprocess.run(
-        headerless(["sh", "-c", f"ls -A /lib/modules/{os.uname().release} /usr/src"]),
+        headerless(["sh", "-c", f"ls -A /lib/modules/{os.uname().release} /usr/src 2>&1"]),
         capture_output=True,
         text=True,
-        check=True,
+        check=False,
     )
-    assert "build" not in seen.stdout and "linux-headers" not in seen.stdout
+    assert "build" not in seen.stdout and "linux-headers" not in seen.stdout, seen.stdout
     source = tmp_path / "manifests"
     source.mkdir()
     echo(lab, source)
