@@ -178,6 +178,11 @@ class Lab:
     def _make_node(self) -> None:
         _run(["ip", "netns", "add", self.node_netns])
         _disable_ipv6_dad(self.node_netns)
+        # Clients here connect hundreds of times a second for minutes, and the one that closes
+        # first keeps the port in TIME_WAIT for 60 s: let new connections reuse those ports
+        # (as Linux does on loopback by default) rather than run out of them (EADDRNOTAVAIL).
+        _run(["nsenter", f"--net=/run/netns/{self.node_netns}",
+              "sysctl", "-q", "-w", "net.ipv4.tcp_tw_reuse=1"])  # fmt: skip
         _ip_batch(
             self.node_netns,
             [
