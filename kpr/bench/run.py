@@ -1300,8 +1300,9 @@ def summarize(samples: list[dict]) -> dict:
         if values:
             summary[key] = statistics.median(values)
     summary["rounds"] = len(samples)
-    if reasons := [s["not_measured"] for s in samples if s.get("not_measured")]:
-        summary["not_measured"] = reasons[0]
+    for key in ("not_measured", "program_timed_out"):  # reasons, said in the table
+        if reasons := [s[key] for s in samples if s.get(key)]:
+            summary[key] = reasons[0]
     if any("cleaned_up" in s for s in samples):
         summary["cleaned_up"] = all(s.get("cleaned_up") for s in samples)
     summary["all_connected"] = all(
@@ -1664,6 +1665,9 @@ def merged(paths: Sequence[Path]) -> dict:
     reports = [json.loads(path.read_text()) for path in paths]
     report = dict(reports[0])
     report["results"] = [entry for r in reports for entry in r["results"]]
+    for entry in report["results"]:  # summarised again: by this version's rules
+        if entry["samples"] and not entry["skipped"]:
+            entry["summary"] = summarize(entry["samples"])
     report["runs"] = [{k: r.get(k) for k in ("command", "started", "finished")} for r in reports]
     return report
 
