@@ -309,7 +309,10 @@ def lab(kube_bin, tmp_path_factory):
         previous = images.build_kpr_image(tree, PREVIOUS_IMAGE)
     except images.InputsMissing as err:
         pytest.skip(str(err))
-    with RealCluster(directory / "cluster", nodes=2, proxy="none", bin_dir=kube_bin) as cluster:
+    # kpr 0.0.9 compiled against the node's headers only (it shipped none): nodes with headers
+    with RealCluster(
+        directory / "cluster", nodes=2, proxy="none", bin_dir=kube_bin, kernel_headers=True
+    ) as cluster:
         for node in cluster.members:
             node.import_image(previous)
         yield Lab(cluster, directory / "cluster" / "my-cluster", tree)

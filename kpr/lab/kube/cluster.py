@@ -123,6 +123,7 @@ class RealCluster:
     kube_proxies: dict[str, subprocess.Popen] = field(default_factory=dict)
     images: dict[str, Path] = field(default_factory=dict)  # reference -> archive, on every node
     kpr_image: str = KPR_IMAGE
+    kernel_headers: bool = False  # nodes with kernel headers (kpr.lab.kube.node.Node)
 
     def __post_init__(self) -> None:
         if self.proxy not in PROXIES:
@@ -164,7 +165,15 @@ class RealCluster:
             self.plane.start()
             self._write_kubeconfigs()
             self.members = [
-                Node(self.plane, self.bin_dir, self.directory / name, index, name, pause)
+                Node(
+                    self.plane,
+                    self.bin_dir,
+                    self.directory / name,
+                    index,
+                    name,
+                    pause,
+                    kernel_headers=self.kernel_headers,
+                )  # fmt: skip
                 for index, name in enumerate(names, start=1)
             ]
             self._save_state()

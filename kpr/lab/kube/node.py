@@ -73,6 +73,10 @@ class Node:
     index: int
     name: str = ""
     sandbox_image: str = "registry.k8s.io/pause:3.10.1"  # kpr.lab.kube.images names the real one
+    # A node with its kernel's headers at /lib/modules/<release>/build (the machine's header
+    # set, seen only in the node's mount namespace), as the releases of kpr before it shipped
+    # headers need; by default a node has none, as COS, Bottlerocket, Talos.
+    kernel_headers: bool = False
     processes: dict[str, subprocess.Popen] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -240,6 +244,7 @@ class Node:
             f"hostname {self.name} && "
             "mount -t tmpfs -o mode=755 tmpfs /run && mkdir -p /run/netns /run/kpr && "
             "mount -t bpf bpf /sys/fs/bpf && "
+            f"{self._headers_script()}"
             f'mount --bind "{self.cgroup}" /sys/fs/cgroup/unified && '
             # Shared within the node only (its own peer groups; nothing reaches the machine's
             # mounts): as systemd makes / on a node, which HostToContainer volumes require.
@@ -373,6 +378,21 @@ disabled_plugins = ["io.containerd.snapshotter.v1.aufs", "io.containerd.snapshot
             f"--node-ip={self.ip}",
             "--v=1",
         ]
+
+    def _headers_script(self) -> str:
+        if not self.kernel_headers:
+            return ""
+        from kpr.host import SHIPPED_HEADERS
+
+        if not SHIPPED_HEADERS.is_dir():
+            raise RuntimeError(f"a node with kernel headers needs {SHIPPED_HEADERS} (make test)")
+        tree, build = "/usr/src/linux-headers-lab", f"/lib/modules/{os.uname().release}"
+        # under /usr/src and /lib/modules: the two paths kpr's DaemonSet mounts from the node
+        return (
+            f"mount -t tmpfs tmpfs /usr/src && mkdir {tree} && "
+            f'mount --bind "{SHIPPED_HEADERS}" {tree} && '
+            f"mount -t tmpfs tmpfs /lib/modules && mkdir {build} && ln -s {tree} {build}/build && "
+        )
 
     def _launch(self, name: str, argv: list[str]) -> None:
         log = self._path("logs") / f"{name}.log"
