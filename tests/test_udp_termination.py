@@ -21,8 +21,8 @@ from kpr import runstate
 from kpr.datapath import loader, sockets
 from kpr.lab.netns import Lab
 from kpr.model import Backend
-from tests import kube
-from tests.test_datapath import POD_PORTS, PORTS, VIP4, VIP6
+from tests.test_agent import echo
+from tests.test_datapath import VIP4
 
 KPR = [sys.executable, "-m", "kpr.cli"]
 
@@ -143,17 +143,6 @@ def netns_dir(tmp_path):
     for entry in directory.iterdir():
         subprocess.run(["umount", str(entry)], check=False, capture_output=True)
     subprocess.run(["umount", str(directory)], check=False)
-
-
-def echo(lab: Lab, directory: Path, pods: list[int]) -> None:
-    chosen = [lab.pods[i] for i in pods]
-    kube.write(
-        directory,
-        "echo.yaml",
-        kube.service("echo", [VIP4, VIP6], PORTS),
-        kube.endpoint_slice("echo", [str(p.ipv4) for p in chosen], POD_PORTS),
-        kube.endpoint_slice("echo", [str(p.ipv6) for p in chosen], POD_PORTS),
-    )
 
 
 def wait_synced(pin_dir: Path, agent: subprocess.Popen, after: float, log: Path) -> None:
