@@ -1666,7 +1666,7 @@ def merged(paths: Sequence[Path]) -> dict:
     report = dict(reports[0])
     report["results"] = [entry for r in reports for entry in r["results"]]
     for entry in report["results"]:  # summarised again: by this version's rules
-        if entry["samples"] and not entry["skipped"]:
+        if entry.get("samples") and not entry["skipped"]:
             entry["summary"] = summarize(entry["samples"])
     report["runs"] = [{k: r.get(k) for k in ("command", "started", "finished")} for r in reports]
     return report
