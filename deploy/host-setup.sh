@@ -19,7 +19,7 @@ fi
 # The headers BCC compiles kpr's programs against when the node has none of its
 # own (this VM's kernel has no headers package): Debian's generic ones, merged at
 # /usr/lib/kpr/kernel-headers, as in the image. kpr prefers /lib/modules/$(uname -r)
-# and /sys/kernel/kheaders.tar.xz when they are there (kpr/host.py).
+# and /sys/kernel/kheaders.tar.xz when they are there (kpr/node/host.py).
 here=$(dirname "$0")
 if ! sh "$here/kernel-headers.sh" 2>/dev/null; then
 	apt-get update -q
@@ -37,5 +37,5 @@ if [ "${1:-}" = "--venv" ]; then
 		/usr/bin/python3 -m venv --system-site-packages "$venv"
 	fi
 	"$venv/bin/python" -m pip install -q --upgrade pip
-	"$venv/bin/python" -m pip install -q -e ".[test]"
+	"$venv/bin/python" -m pip install -q -e ".[test,lab]"
 fi

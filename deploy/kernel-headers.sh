@@ -5,7 +5,7 @@
 # They are Debian's generic linux-headers of this release and architecture, include/ and
 # arch/<arch>/include of the -common and the -<flavour> package merged into the one tree that
 # BCC_KERNEL_SOURCE names (BCC reads a split tree only from /lib/modules). kpr's BPF programs
-# use UAPI structs only, which later kernels keep; kpr/host.py (find_kernel_headers) prefers
+# use UAPI structs only, which later kernels keep; kpr/node/host.py (find_kernel_headers) prefers
 # the node's own headers and the kernel's kheaders to these.
 # The packages are downloaded and unpacked, not installed (-flavour would pull in gcc). Needs
 # apt's package lists; does nothing when TARGET already holds the candidate version.

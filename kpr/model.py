@@ -1,7 +1,7 @@
 """The vocabulary shared by the control plane and the datapath.
 
 Kubernetes objects arrive as API-shaped dicts and are validated into the
-frozen dataclasses below (kpr/objects.py); translation (kpr/translate.py)
+frozen dataclasses below (kpr/sources/objects.py); translation (kpr/desired/translate.py)
 turns them into the desired state: which frontends exist and which backends
 serve each. The datapath (kpr/datapath/) makes the BPF maps equal to it.
 """
@@ -124,7 +124,7 @@ def by_key(item: Frontend | Backend) -> tuple:
     return item.sort_key()
 
 
-# Which clients a frontend serves; mirrors KPR_SCOPE_* in bpf/kpr.h.
+# Which clients a frontend serves; mirrors KPR_SCOPE_* in kpr/bpf/kpr.h.
 SOCKET = 0  # processes and pods on this node, at the socket (cgroup hooks)
 EXTERNAL = 1  # packets arriving on the node's devices (TC)
 

@@ -28,10 +28,11 @@ import uuid
 from ipaddress import IPv4Address, ip_address
 from pathlib import Path
 
-from kpr import host, runstate
+from kpr.agent import runstate
 from kpr.datapath import abi, loader
 from kpr.datapath.maps import BpfMaps
 from kpr.lab.scale import bench_endpoint_slice, bench_service
+from kpr.node import host
 from tests.apiserver import TestApiServer
 
 VIP_BASE = IPv4Address("10.96.0.16")

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from kpr import host
+from kpr.node import host
 
 
 def _skip_unless_kernel_ready() -> None:
@@ -53,7 +53,7 @@ def pin_dir():
     path = Path("/sys/fs/bpf") / f"kpr-test-{uuid.uuid4().hex[:8]}"
     host.ensure_bpffs(path)
     yield path
-    from kpr import runstate
+    from kpr.agent import runstate
 
     runstate.remove(path)
     shutil.rmtree(path, ignore_errors=True)

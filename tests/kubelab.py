@@ -18,7 +18,7 @@ from pathlib import Path
 
 from kubernetes import client
 
-from kpr import runstate
+from kpr.agent import runstate
 from kpr.lab.kube import objects
 from kpr.lab.kube.controlplane import ControlPlane
 from kpr.lab.netns import Lab

@@ -21,9 +21,9 @@ from dataclasses import dataclass, field
 from ipaddress import ip_address
 from pathlib import Path
 
+from kpr.cli.status import programmed_view, read_programmed
 from kpr.datapath.plan import ProgrammedState
 from kpr.lab.netns import Lab
-from kpr.status import programmed_view, read_programmed
 from tests import kube
 from tests.apiserver import TestApiServer
 

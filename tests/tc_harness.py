@@ -1,4 +1,4 @@
-"""A lab for running bpf/nodeport.c through BPF_PROG_TEST_RUN.
+"""A lab for running kpr/bpf/nodeport.c through BPF_PROG_TEST_RUN.
 
 One throwaway network namespace plays the node; nothing is sent anywhere. The
 programs run on crafted frames in that namespace (the test run uses the calling
@@ -34,8 +34,9 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from kpr import host, model
+from kpr import model
 from kpr.datapath import abi, bpfsys, tc
+from kpr.node import host
 
 CLONE_NEWNET = 0x40000000
 _libc = ct.CDLL(None, use_errno=True)

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 import kpr
-from kpr import runstate
+from kpr.agent import runstate
 from kpr.datapath import loader
 from kpr.datapath.maps import BpfMaps
 from kpr.lab.netns import Lab

@@ -276,7 +276,7 @@ def test_services_spread_real_ones_through_the_list():
 def test_small_bench_every_mode_carries_connections(tmp_path):
     if os.geteuid() != 0:
         pytest.skip("needs root: network namespaces, BPF, iptables")
-    from kpr import host
+    from kpr.node import host
 
     try:
         host.require_bcc()
@@ -286,7 +286,7 @@ def test_small_bench_every_mode_carries_connections(tmp_path):
         pytest.skip(str(err))
     out = tmp_path / "bench.json"
     plot = tmp_path / "bench.png"
-    from kpr import runstate
+    from kpr.agent import runstate
 
     def bench_state_files() -> set[str]:
         return {p.name for p in runstate.RUN_DIR.glob("*kpr-bench-*")}

@@ -225,7 +225,7 @@ def test_run_with_a_configmap_whose_kubeconfig_is_missing_fails_in_one_paragraph
 
 def test_nothing_listens_here_by_accident() -> None:
     """(The port-holder lookup is also right when nothing holds the port.)"""
-    from kpr.host import port_holders
+    from kpr.node.host import port_holders
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -266,7 +266,7 @@ def test_run_with_kube_proxys_configmap_lists_from_the_server_it_names(
 def test_status_reads_one_service_and_its_slices_from_the_api_server(api) -> None:
     """`kpr status NAMESPACE/NAME` against an API source: list with selectors (the verbs
     kpr's ClusterRole grants), other Services' slices left out, invalid slices named."""
-    from kpr.status import service_objects
+    from kpr.cli.status import service_objects
     from tests.kube import endpoint_slice, service
 
     api.apply(service("web", ["10.96.0.10"], [("http", 80, "TCP")]))

@@ -1,10 +1,10 @@
-"""kube-proxy's configuration file (kpr/config.py): defaults, parsing, validation, notes."""
+"""kube-proxy's configuration file (kpr/cli/config.py): defaults, parsing, validation, notes."""
 
 from __future__ import annotations
 
 import pytest
 
-from kpr.config import (
+from kpr.cli.config import (
     ConfigError,
     ProxyConfig,
     go_duration,

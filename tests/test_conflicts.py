@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from kpr import conflicts
 from kpr.datapath import abi, bpfsys, loader
+from kpr.node import conflicts
 
 
 @pytest.fixture

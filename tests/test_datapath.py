@@ -13,7 +13,7 @@ from ipaddress import ip_address
 
 import pytest
 
-from kpr.agent import Agent, AgentConfig
+from kpr.agent.loop import Agent, AgentConfig
 from kpr.datapath.abi import MapSizes
 from kpr.datapath.maps import BpfMaps
 from kpr.lab.netns import Lab

@@ -11,16 +11,18 @@ import re
 import shlex
 import shutil
 import subprocess
+import sys
 import time
 import tomllib
+import zipfile
 from pathlib import Path, PurePosixPath
 
 import pytest
 import yaml
 
-from kpr import host
-from kpr.config import PROXY_HEALTHZ_PORT, PROXY_STATUS_PORT, load_config, split_host_port
+from kpr.cli.config import PROXY_HEALTHZ_PORT, PROXY_STATUS_PORT, load_config, split_host_port
 from kpr.datapath import abi
+from kpr.node import host
 
 ROOT = Path(__file__).resolve().parents[1]
 DEPLOY = ROOT / "deploy"
@@ -289,7 +291,7 @@ def parsed_args(ds: dict, configmap: dict) -> dict:
     """The container's args as `kpr`'s own command line parses them."""
     from typer.main import get_command
 
-    from kpr.cli import app
+    from kpr.cli.main import app
 
     env = {}
     for var in container(ds)["env"]:
@@ -361,7 +363,7 @@ def test_image_entrypoint_is_kpr(daemonset):
     entrypoint = [i for i in dockerfile_instructions() if i[0] == "ENTRYPOINT"]
     assert entrypoint == [("ENTRYPOINT", '["kpr"]')]
     pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
-    assert pyproject["project"]["scripts"]["kpr"] == "kpr.cli:app"
+    assert pyproject["project"]["scripts"]["kpr"] == "kpr.cli.main:app"
 
 
 def test_daemonset_mounts_the_hosts_bpffs_cgroup_and_headers(rendered, daemonset):
@@ -384,7 +386,7 @@ def test_daemonset_mounts_the_hosts_bpffs_cgroup_and_headers(rendered, daemonset
         mount, volume = mounts(daemonset)[path]
         assert volume["hostPath"]["path"] == path and mount["readOnly"] is True
     # the run state, where `kpr status` on the node looks
-    from kpr import runstate
+    from kpr.agent import runstate
 
     mount, volume = covering_mount(daemonset, runstate.RUN_DIR)
     assert volume["hostPath"]["path"] == mount["mountPath"] == str(runstate.RUN_DIR)
@@ -427,7 +429,7 @@ def test_probes_are_on_the_port_kpr_serves(rendered, daemonset):
     assert c["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": PROXY_HEALTHZ_PORT}
     assert c["startupProbe"]["httpGet"] == {"path": "/livez", "port": PROXY_HEALTHZ_PORT}
     assert [p["containerPort"] for p in c["ports"]] == [PROXY_HEALTHZ_PORT]
-    from kpr.health import HealthServer
+    from kpr.health.proxier import HealthServer
 
     source = Path(HealthServer.__module__.replace(".", "/") + ".py")
     text = (ROOT / source).read_text()
@@ -630,7 +632,7 @@ def test_dockerfile_installs_the_runtime_packages_of_host_setup():
 
 
 def test_the_image_and_host_setup_carry_the_shipped_kernel_headers_where_kpr_looks():
-    from kpr import host
+    from kpr.node import host
 
     script = DEPLOY / "kernel-headers.sh"
     runs = [rest for word, rest in dockerfile_instructions() if word == "RUN"]
@@ -649,27 +651,57 @@ def test_the_image_and_host_setup_carry_the_shipped_kernel_headers_where_kpr_loo
 
 def test_dockerfile_copies_and_installs_the_package():
     instructions = dockerfile_instructions()
-    (workdir,) = [rest for word, rest in instructions if word == "WORKDIR"]
-    copied: set[str] = set()
+    copied: dict[str, str] = {}
     for word, rest in instructions:
         if word == "COPY":
-            *sources, _dest = rest.split()
+            *sources, dest = rest.split()
             for s in sources:
                 assert (ROOT / s).exists(), f"COPY {s}: no such path in the repository"
-                copied.add(s.rstrip("/"))
+                copied[s.rstrip("/")] = dest
     pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
     packages = {p.split(".")[0] for p in pyproject["tool"]["setuptools"]["packages"]}
-    assert {"pyproject.toml", pyproject["project"]["readme"], *packages} <= copied
-    # BCC compiles bpf/ from next to the package at run time: copied to the same place, and
-    # the package installed editable so that place is the one it uses
-    assert abi.BPF_DIR.relative_to(ROOT).as_posix() in copied
+    assert {"pyproject.toml", pyproject["project"]["readme"], *packages} <= set(copied)
+    source = copied["pyproject.toml"].rstrip("/")
     runs = " ".join(rest for word, rest in instructions if word == "RUN")
     assert "-m venv --system-site-packages" in runs  # Debian's BCC bindings
-    assert re.search(r"pip install .*-e \.( |$)", runs), "the package is not installed editable"
-    assert workdir.startswith("/")
+    # a plain install of the copied tree (the BPF programs are package data), no extras
+    assert re.search(rf"pip install [^&]*{re.escape(source)}( |$)", runs), runs
+    assert " -e " not in runs, "the image needs no editable install"
     env = " ".join(rest for word, rest in instructions if word == "ENV")
     venv = re.search(r"(\S+)/bin/pip install", runs)
     assert venv and f"{venv[1]}/bin" in env, "the venv's kpr is not on PATH"
+
+
+def test_the_package_carries_its_bpf_programs_and_leaves_the_lab_out(tmp_path):
+    """What the image installs: a wheel of the tree the Dockerfile copies. BCC compiles
+    kpr/bpf/ from the installed package, so the programs must be in it; the lab's plotting
+    dependency is an extra the agent never needs."""
+    tree = tmp_path / "src"
+    tree.mkdir()
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(ROOT / name, tree / name)
+    shutil.copytree(ROOT / "kpr", tree / "kpr", ignore=shutil.ignore_patterns("__pycache__"))
+    built = subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(tmp_path), str(tree)],
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    if built.returncode and "setuptools" in built.stderr and "No matching" in built.stderr:
+        pytest.skip(f"no setuptools to build with: {built.stderr.strip()[-200:]}")
+    assert built.returncode == 0, built.stderr
+    (wheel,) = tmp_path.glob("kpr-*.whl")
+    with zipfile.ZipFile(wheel) as zf:
+        names = set(zf.namelist())
+        (metadata,) = [n for n in names if n.endswith(".dist-info/METADATA")]
+        requires = [
+            line for line in zf.read(metadata).decode().splitlines()
+            if line.startswith("Requires-Dist:")
+        ]  # fmt: skip
+    programs = sorted(p.name for p in abi.BPF_DIR.iterdir() if p.suffix in (".c", ".h"))
+    assert {"kpr.h", "sock_lb.c", "nodeport.c"} <= set(programs)
+    assert {f"kpr/bpf/{name}" for name in programs} <= names
+    assert "kpr/agent/loop.py" in names and "kpr/lab/kube/build.py" in names
+    plotting = [r for r in requires if "matplotlib" in r]
+    assert plotting and all("extra ==" in r for r in plotting), requires
 
 
 # --- (e) the Helm chart: the kustomization's objects, and values operators change -----------

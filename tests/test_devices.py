@@ -1,4 +1,4 @@
-"""`--devices` and the NodePort addresses (kpr/devices.py): pure selection, no root."""
+"""`--devices` and the NodePort addresses (kpr/node/devices.py): pure selection, no root."""
 
 from __future__ import annotations
 
@@ -7,8 +7,14 @@ from ipaddress import ip_address
 import pytest
 
 from kpr.datapath import abi
-from kpr.devices import Device, DeviceChoice, node_port_addresses, reply_devices, select_devices
-from kpr.host import SetupError
+from kpr.node.devices import (
+    Device,
+    DeviceChoice,
+    node_port_addresses,
+    reply_devices,
+    select_devices,
+)
+from kpr.node.host import SetupError
 
 ETH0 = Device("eth0", 2, (ip_address("192.168.50.1"), ip_address("fd00:50::1")))
 ETH1 = Device("eth1", 3, (ip_address("10.0.0.5"), ip_address("192.168.60.1")))

@@ -1,11 +1,11 @@
-"""Why an endpoint gets traffic on this node or not (kpr/explain.py), rule by rule."""
+"""Why an endpoint gets traffic on this node or not (kpr/desired/explain.py), rule by rule."""
 
 from __future__ import annotations
 
 from dataclasses import replace
 from ipaddress import ip_address
 
-from kpr.explain import explain, render
+from kpr.desired.explain import explain, render
 from kpr.model import EndpointPort, EndpointSlice, NodeContext, ServicePort
 from tests.test_translate import HTTP, endpoint, endpoint_slice, service
 

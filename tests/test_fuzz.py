@@ -9,10 +9,10 @@ from pathlib import Path
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from kpr.desired.translate import translate
 from kpr.model import NodeContext
-from kpr.objects import ObjectError, parse_object
 from kpr.sources.manifests import ManifestSource
-from kpr.translate import translate
+from kpr.sources.objects import ObjectError, parse_object
 
 # field names the parser looks at, so the fuzzer reaches deep into objects
 FIELDS = [

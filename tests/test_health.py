@@ -1,4 +1,4 @@
-"""kube-proxy's proxier health server (kpr/health.py): rule, JSON bytes, codes, counters."""
+"""kube-proxy's proxier health server (kpr/health/proxier.py): rule, JSON bytes, codes, counters."""
 
 from __future__ import annotations
 
@@ -8,8 +8,9 @@ from collections.abc import Iterator
 
 import pytest
 
-from kpr.health import HealthServer, ProxyHealth, go_time, node_is_deleting
-from kpr.metrics import Metrics
+from kpr.health.proxier import HealthServer, ProxyHealth, go_time
+from kpr.observe.metrics import Metrics
+from kpr.sources.objects import node_is_deleting
 
 SYNC_PERIOD = 30.0  # health timeout 60s
 T0 = 1_700_000_000.0  # 2023-11-14 22:13:20 UTC

@@ -1,4 +1,4 @@
-"""healthCheckNodePort servers (kpr/healthcheck.py): answers, bytes, updates, port problems."""
+"""healthCheckNodePort servers (kpr/health/services.py): answers, bytes, updates, port problems."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from kpr.healthcheck import HealthCheckServers, go_quote, response_body
+from kpr.health.services import HealthCheckServers, go_quote, response_body
 
 LOCAL = ["127.0.0.1"]
 

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from kpr import host
 from kpr.datapath import abi, loader
+from kpr.node import host
 
 
 def test_no_cgroup2_mount_says_how_to_mount_one(monkeypatch):

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from kpr import host
+from kpr.node import host
 from tests.test_agent import KPR, AgentProcess, echo, status_json, tcp_results
 
 RELEASE = "6.99.0-test"

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from kpr.host import process_alive
 from kpr.lab.kube import build
+from kpr.node.host import process_alive
 
 KUBE = [sys.executable, "-m", "kpr.lab.kube"]
 

@@ -14,10 +14,10 @@ from pathlib import Path
 
 import pytest
 
-from kpr.host import cgroup2_root
 from kpr.lab import netns
 from kpr.lab.latency import measure
 from kpr.lab.netns import Lab, cleanup_stale
+from kpr.node.host import cgroup2_root
 
 PREFIX = "kprtest"
 FAMILIES = ["ipv4", "ipv6"]

@@ -251,7 +251,7 @@ def test_kpr_image_runs_the_kpr_cli(containerd, built):
 COMPILE_IN_IMAGE = """
 import lzma  # kheaders.tar.xz, on nodes that have it
 from pathlib import Path
-from kpr import host
+from kpr.node import host
 from kpr.datapath import abi, loader
 headers = host.require_kernel_headers()
 print(headers.origin, headers.path)
@@ -264,7 +264,7 @@ for source in ("sock_lb.c", "nodeport.c"):
 
 
 def test_kpr_image_compiles_its_programs_against_the_headers_it_ships(containerd, built):
-    from kpr import host
+    from kpr.node import host
 
     done = containerd.run(
         images.KPR_IMAGE, "python3", "-c", COMPILE_IN_IMAGE, options=("--privileged",)

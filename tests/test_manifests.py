@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
+from kpr.desired.translate import translate
 from kpr.model import Frontend, NodeContext, ObjectRef
 from kpr.sources.manifests import ManifestSource, Snapshot
-from kpr.translate import translate
 
 WEB = """\
 apiVersion: v1

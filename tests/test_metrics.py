@@ -1,4 +1,4 @@
-"""kpr's metrics (kpr/metrics.py), scraped over real HTTP: names, types, help, buckets."""
+"""kpr's metrics (kpr/observe/metrics.py), scraped over real HTTP: names, types, help, buckets."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from kpr.metrics import NETWORK_PROGRAMMING_BUCKETS, SYNC_BUCKETS, Metrics, MetricsServer
+from kpr.observe.metrics import NETWORK_PROGRAMMING_BUCKETS, SYNC_BUCKETS, Metrics, MetricsServer
 
 # name -> (type, help) as kube-proxy's pkg/proxy/metrics/metrics.go defines them.
 KUBE_PROXY = {

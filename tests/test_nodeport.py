@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from kpr import runstate
+from kpr.agent import runstate
 from tests import kube
 
 KPR = [sys.executable, "-m", "kpr.cli"]

@@ -1,4 +1,4 @@
-"""bpf/nodeport.c packet by packet: crafted frames through BPF_PROG_TEST_RUN in a
+"""kpr/bpf/nodeport.c packet by packet: crafted frames through BPF_PROG_TEST_RUN in a
 throwaway network namespace (tests/tc_harness.py), checked with scapy and with
 the checksums a receiver computes.
 
@@ -18,9 +18,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kpr import host
 from kpr.datapath import abi, bpfsys, tc
-from kpr.devices import read_devices
+from kpr.node import host
+from kpr.node.devices import read_devices
 from tests import tc_harness as h
 from tests.tc_harness import Frontend, flow_key
 
@@ -881,7 +881,7 @@ def test_write_devices_replaces_the_whole_map(lab):
     lab.set_devices({"pod0": (None, "fd00:10:244::1")})
     rows = {k.value: v for k, v in lab.entries("kpr_devices", ct.c_uint32, abi.Device)}
     assert list(rows) == [lab.ifindex["pod0"]]
-    with lab.inside():  # what the agent writes there: kpr.devices reads the addresses
+    with lab.inside():  # what the agent writes there: kpr.node.devices reads the addresses
         ext0 = read_devices()[0]["ext0"]
     assert (ext0.index, str(ext0.first(4)), str(ext0.first(6))) == (
         lab.ifindex["ext0"],

@@ -1,4 +1,4 @@
-"""Validation of API-shaped Service and EndpointSlice dicts (kpr/objects.py)."""
+"""Validation of API-shaped Service and EndpointSlice dicts (kpr/sources/objects.py)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 from kpr.model import Endpoint, EndpointPort, ObjectRef, ServicePort
-from kpr.objects import (
+from kpr.sources.objects import (
     ObjectError,
     parse_endpoint_slice,
     parse_object,

@@ -265,7 +265,7 @@ def test_source_ranges_change_without_a_moment_of_deny_all_and_leave_nothing_beh
 
 
 def test_a_conflict_found_by_partial_syncs_is_one_problem_however_often_it_repeats():
-    from kpr.agent import Agent, AgentConfig
+    from kpr.agent.loop import Agent, AgentConfig
     from kpr.model import Service, ServicePort, Snapshot
 
     def service(name: str) -> Service:

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from kpr import runstate
+from kpr.agent import runstate
 from kpr.lab.cluster import Cluster
 from kpr.lab.kube import objects
 from kpr.lab.kube.forward import Forwarder
@@ -136,6 +136,15 @@ def test_local_policy_keeps_the_client_and_drops_where_no_endpoint_is_local(
                  cluster.probe("tcp", str(n1.ipv4), port, 10, CLIENT)} == {(pod, CLIENT)},
         what="node-1 serves with the client's address",
     )  # fmt: skip
+
+    def node_2_has_it() -> bool:  # its health check server comes with the same sync
+        try:
+            return cluster.health_check(n2, health_port)[0] == 503
+        except ValueError:  # not listening yet: no answer to parse
+            return False
+
+    # until node-2's agent has the Service, its NodePort is just a closed port (refused)
+    eventually(node_2_has_it, what="node-2 has programmed the Service")
     dropped = cluster.probe("tcp", str(n2.ipv4), port, 1, CLIENT)
     assert dropped[0].get("error") == "ETIMEDOUT", dropped  # dropped, as kube-proxy: no answer
     eventually(lambda: cluster.health_check(n1, health_port)[0] == 200)

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from kpr import runstate
+from kpr.agent import runstate
 from kpr.lab.netns import Lab
 from tests import kube, test_scripted_apiserver
 from tests.apiserver import TestApiServer

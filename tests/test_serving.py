@@ -10,9 +10,9 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
-from kpr.health import HealthServer, ProxyHealth
-from kpr.metrics import Metrics, MetricsServer
-from kpr.serving import BackgroundServer
+from kpr.health.proxier import HealthServer, ProxyHealth
+from kpr.health.serving import BackgroundServer
+from kpr.observe.metrics import Metrics, MetricsServer
 
 TIMEOUT = 0.5
 BOUND = 8

@@ -1,16 +1,16 @@
-"""What the agent's syncs make of health and metrics (kpr/telemetry.py)."""
+"""What the agent's syncs make of health and metrics (kpr/observe/telemetry.py)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 from types import SimpleNamespace
 
-from kpr.agent import SyncResult
-from kpr.health import ProxyHealth
-from kpr.host import KernelHeaders
-from kpr.metrics import Metrics
+from kpr.agent.loop import SyncResult
+from kpr.health.proxier import ProxyHealth
 from kpr.model import Translation
-from kpr.telemetry import Telemetry
+from kpr.node.host import KernelHeaders
+from kpr.observe.metrics import Metrics
+from kpr.observe.telemetry import Telemetry
 
 
 def attached(

@@ -1,4 +1,4 @@
-"""Services and EndpointSlices → frontends and backends (kpr/translate.py)."""
+"""Services and EndpointSlices → frontends and backends (kpr/desired/translate.py)."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kpr.desired.translate import cluster_endpoints, local_endpoints, topology_mode, translate
 from kpr.model import (
     EXTERNAL,
     SOCKET,
@@ -25,7 +26,6 @@ from kpr.model import (
     ServicePort,
 )
 from kpr.sources.manifests import ManifestSource
-from kpr.translate import cluster_endpoints, local_endpoints, topology_mode, translate
 
 NODE = NodeContext(name="node-1", zone="zone-a")
 VIP = ip_address("10.96.0.10")

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from kpr import runstate
+from kpr.agent import runstate
 from kpr.datapath import loader, sockets
 from kpr.lab.netns import Lab
 from kpr.model import Backend

@@ -33,7 +33,7 @@ import time
 import uuid
 from pathlib import Path
 
-from kpr import runstate
+from kpr.agent import runstate
 from kpr.bench import kubeproxy_rules as rules
 from kpr.bench.run import build_loadgen
 from kpr.lab.cluster import Cluster

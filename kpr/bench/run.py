@@ -8,7 +8,7 @@ a throwaway network-namespace lab (kpr.lab.netns.Lab: a node netns, M pods, a cl
   loaded with ``iptables-restore`` (nf_tables back end) / ``iptables-legacy-restore`` in the
   node netns, hooked from nat OUTPUT as kube-proxy hooks it;
 - ``nftables``: kube-proxy's ``ip kube-proxy`` table loaded with ``nft -f`` in the node netns;
-- ``kpr``: the real agent (kpr.agent.Agent over a ManifestSource) compiling, attaching to the
+- ``kpr``: the real agent (kpr.agent.loop.Agent over a ManifestSource) compiling, attaching to the
   lab's cgroup and writing the real pinned maps.
 
 A few services ("real" ones, spread evenly through the list so a linear rule scan meets them
@@ -51,12 +51,13 @@ from pathlib import Path
 
 import yaml
 
-from kpr import host, runstate
+from kpr.agent import runstate
 from kpr.bench import kubeproxy_rules as rules
 from kpr.bench.kubeproxy_rules import ServicePort
 from kpr.lab.latency import build_c_program, measure
 from kpr.lab.latency import measure_paired as measure_paired_latency
 from kpr.lab.netns import Lab
+from kpr.node import host
 
 GENERATED_MODES = ("direct", "iptables", "iptables-legacy", "nftables", "kpr")
 # Fed by a real API server (kpr.bench.api): the real kube-proxy, and kpr beside it.
@@ -834,7 +835,7 @@ class Kpr(Mode):
         return path
 
     def program(self, bl: BenchLab, services: ServiceSet) -> dict:
-        from kpr.agent import Agent, AgentConfig
+        from kpr.agent.loop import Agent, AgentConfig
         from kpr.model import NodeContext
         from kpr.sources.manifests import ManifestSource
 

@@ -1,6 +1,6 @@
-"""The Python mirror of bpf/kpr.h: struct layouts, map names, constants.
+"""The Python mirror of kpr/bpf/kpr.h: struct layouts, map names, constants.
 
-bpf/kpr.h is the source of truth; tests/test_abi.py checks these ctypes
+kpr/bpf/kpr.h is the source of truth; tests/test_abi.py checks these ctypes
 layouts against the types BCC compiles from it. Change both together.
 """
 
@@ -15,7 +15,7 @@ from pathlib import Path
 
 ABI_VERSION = 1
 
-BPF_DIR = Path(__file__).resolve().parents[2] / "bpf"
+BPF_DIR = Path(__file__).resolve().parents[1] / "bpf"  # package data, installed with kpr
 
 PROTOCOL_NUMBERS = {"TCP": socket.IPPROTO_TCP, "UDP": socket.IPPROTO_UDP}
 PROTOCOL_NAMES = {v: k for k, v in PROTOCOL_NUMBERS.items()}
@@ -135,7 +135,7 @@ class Affinity(ct.Structure):
     ]
 
 
-# --- TC datapath (bpf/nodeport.c) ---
+# --- TC datapath (kpr/bpf/nodeport.c) ---
 
 
 class FlowKey(ct.Structure):

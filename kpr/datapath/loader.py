@@ -1,4 +1,4 @@
-"""Compile bpf/sock_lb.c with BCC, pin its maps and programs, attach it to a cgroup.
+"""Compile kpr/bpf/sock_lb.c with BCC, pin its maps and programs, attach it to a cgroup.
 
 Attachments use PROG_ATTACH with ALLOW_MULTI, so they outlive the agent
 (services keep working while it is down). A restarted agent attaches its new
@@ -21,15 +21,15 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from kpr import host
 from kpr.datapath import abi, bpfsys
+from kpr.node import host
 
 log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
 class Hook:
-    function: str  # in bpf/sock_lb.c
+    function: str  # in kpr/bpf/sock_lb.c
     attach_type: int  # enum bpf_attach_type
     pin: str
 
@@ -105,8 +105,8 @@ def check_pinned_maps(pin_dir: Path, sizes: abi.MapSizes) -> None:
 
 
 def compile_and_pin(pin_dir: Path, sizes: abi.MapSizes, source: str = "sock_lb.c"):
-    """Compile a program of bpf/ (the socket LB by default); BCC creates (or reuses)
-    the pinned maps of bpf/kpr.h, which every source shares."""
+    """Compile a program of kpr/bpf/ (the socket LB by default); BCC creates (or reuses)
+    the pinned maps of kpr/bpf/kpr.h, which every source shares."""
     host.require_kernel_headers()
     bcc = host.require_bcc()
     check_pinned_maps(pin_dir, sizes)

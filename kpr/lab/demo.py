@@ -14,8 +14,9 @@ import sys
 from collections import Counter
 from pathlib import Path
 
-from kpr import host, runstate
+from kpr.agent import runstate
 from kpr.lab.netns import Lab
+from kpr.node import host
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "manifests"
 KPR = [sys.executable, "-m", "kpr.cli"]

@@ -37,7 +37,7 @@ from ipaddress import IPv4Address, IPv4Network, IPv6Address, IPv6Network
 from pathlib import Path
 from typing import IO
 
-from kpr.host import cgroup2_root, process_alive
+from kpr.node.host import cgroup2_root, process_alive
 
 FIRST_POD_HOST = 11
 READY_TIMEOUT_S = 10.0

@@ -23,14 +23,15 @@ from pathlib import Path
 
 import yaml
 
-from kpr import host, runstate
-from kpr.agent import Agent, AgentConfig
+from kpr.agent import runstate
+from kpr.agent.loop import Agent, AgentConfig
 from kpr.datapath import bpfsys, loader
+from kpr.desired.translate import translate
 from kpr.lab.latency import measure, measure_paired
 from kpr.lab.netns import Lab
 from kpr.model import NodeContext
+from kpr.node import host
 from kpr.sources.manifests import ManifestSource
-from kpr.translate import translate
 
 VIP_BASE = IPv4Address("10.96.0.0")
 FAKE_ENDPOINT_BASE = IPv4Address("10.128.0.0")

@@ -28,7 +28,6 @@ from kubernetes.client.rest import ApiException
 from kubernetes.watch.watch import iter_resp_lines
 
 from kpr.gcpause import paused_gc
-from kpr.health import node_is_deleting
 from kpr.model import (
     EndpointSlice,
     IPAddress,
@@ -38,7 +37,7 @@ from kpr.model import (
     ServiceKey,
     Snapshot,
 )
-from kpr.objects import ObjectError, parse_endpoint_slice, parse_service
+from kpr.sources.objects import ObjectError, node_is_deleting, parse_endpoint_slice, parse_service
 
 log = logging.getLogger(__name__)
 

@@ -19,7 +19,7 @@ from typing import Any
 import yaml
 
 from kpr.model import EndpointSlice, ObjectRef, Problem, Service, Snapshot
-from kpr.objects import ObjectError, parse_object
+from kpr.sources.objects import ObjectError, parse_object
 
 MANIFEST_SUFFIXES = (".yaml", ".yml", ".json")
 POLL_INTERVAL = 0.2  # seconds between looks at the directory

@@ -16,9 +16,9 @@ import sys
 import time
 from pathlib import Path
 
-from kpr.host import process_alive
 from kpr.lab.kube import build
 from kpr.lab.kube.controlplane import ControlPlane, stop_recorded
+from kpr.node.host import process_alive
 
 PID_FILE = "kube.pid"
 DOWN_TIMEOUT_S = 60.0

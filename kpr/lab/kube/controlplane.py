@@ -27,9 +27,9 @@ from pathlib import Path
 
 import yaml
 
-from kpr.host import process_alive
 from kpr.lab.kube.forward import Forwarder
 from kpr.lab.netns import _delete_netns, _ip_batch, _netns_names, _run
+from kpr.node.host import process_alive
 
 SERVICE_CIDRS = ("10.96.0.0/16", "fd00:96::/112")
 ADVERTISE_IPV4 = "10.250.0.1"

@@ -48,7 +48,6 @@ KPR_CONTEXT = (
     "deploy/kernel-headers.sh",
     "pyproject.toml",
     "README.md",
-    "bpf",
     "kpr",
 )
 IGNORED = ("__pycache__",)  # as .dockerignore says

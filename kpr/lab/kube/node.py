@@ -31,7 +31,6 @@ from pathlib import Path
 
 import yaml
 
-from kpr.host import cgroup2_root
 from kpr.lab.kube.controlplane import (
     CLUSTER_DOMAIN,
     ControlPlane,
@@ -40,6 +39,7 @@ from kpr.lab.kube.controlplane import (
     log_tail,
 )
 from kpr.lab.netns import _delete_netns, _ip_batch, _netns_names, _remove_cgroup, _run
+from kpr.node.host import cgroup2_root
 
 CNI_BIN_DIR = "/usr/lib/cni"  # Debian's containernetworking-plugins
 CLUSTER_DNS = "10.96.0.10"
@@ -382,7 +382,7 @@ disabled_plugins = ["io.containerd.snapshotter.v1.aufs", "io.containerd.snapshot
     def _headers_script(self) -> str:
         if not self.kernel_headers:
             return ""
-        from kpr.host import SHIPPED_HEADERS
+        from kpr.node.host import SHIPPED_HEADERS
 
         if not SHIPPED_HEADERS.is_dir():
             raise RuntimeError(f"a node with kernel headers needs {SHIPPED_HEADERS} (make test)")

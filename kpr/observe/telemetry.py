@@ -6,11 +6,11 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING
 
-from kpr.health import ProxyHealth
-from kpr.metrics import Metrics
+from kpr.health.proxier import ProxyHealth
+from kpr.observe.metrics import Metrics
 
 if TYPE_CHECKING:
-    from kpr.agent import Agent, SyncResult
+    from kpr.agent.loop import Agent, SyncResult
 
 
 class Telemetry:

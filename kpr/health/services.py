@@ -202,7 +202,7 @@ class HealthCheckServers:
 
     `addresses`: the IPs each port listens on; None or empty means every address, IPv4 and
     IPv6. `healthy`: the proxy's own health (upstream passes the proxier health server's
-    verdict without the Node's eligibility; with kpr.health, `ProxyHealth.healthy`).
+    verdict without the Node's eligibility; with kpr.health.proxier, `ProxyHealth.healthy`).
     """
 
     def __init__(self, addresses: list[str] | None, healthy: Callable[[], bool]) -> None:

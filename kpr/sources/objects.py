@@ -25,6 +25,7 @@ from kpr.model import (
 )
 
 SERVICE_NAME_LABEL = "kubernetes.io/service-name"
+TO_BE_DELETED_TAINT = "ToBeDeletedByClusterAutoscaler"  # the cluster autoscaler's
 SERVICE_TYPES = ("ClusterIP", "NodePort", "LoadBalancer", "ExternalName")
 SERVICE_PROTOCOLS = ("TCP", "UDP", "SCTP")
 ADDRESS_TYPES = ("IPv4", "IPv6", "FQDN")
@@ -412,3 +413,11 @@ def parse_object(obj: dict[str, Any]) -> Service | EndpointSlice | None:
     """Validate a Service or EndpointSlice; None for any other apiVersion/kind."""
     parser = _PARSERS.get((str(obj.get("apiVersion")), str(obj.get("kind"))))
     return parser(obj) if parser else None
+
+
+def node_is_deleting(node: dict[str, Any]) -> bool:
+    """Whether an API-shaped Node is going away, by upstream SyncNode's rule."""
+    if (node.get("metadata") or {}).get("deletionTimestamp"):
+        return True
+    taints = (node.get("spec") or {}).get("taints") or []
+    return any(isinstance(t, dict) and t.get("key") == TO_BE_DELETED_TAINT for t in taints)

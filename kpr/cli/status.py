@@ -8,11 +8,12 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from kpr import host, runstate
+from kpr.agent import runstate
 from kpr.datapath import abi, loader, tc
 from kpr.datapath.maps import BpfMaps
 from kpr.datapath.plan import ProgrammedState
 from kpr.model import EndpointSlice, Service
+from kpr.node import host
 
 
 def programmed_view(programmed: ProgrammedState) -> dict[str, list[str]]:
@@ -210,7 +211,7 @@ def service_objects(
 ) -> tuple[Service | None, list[EndpointSlice], list[str]]:
     """One Service and its EndpointSlices as they are now in the agent's source (a manifest
     directory, or the API server), with the problems that keep objects out."""
-    from kpr.objects import ObjectError, parse_endpoint_slice, parse_service
+    from kpr.sources.objects import ObjectError, parse_endpoint_slice, parse_service
 
     if source.startswith("manifests:"):
         from kpr.sources.manifests import ManifestSource
@@ -228,8 +229,8 @@ def service_objects(
 
     from kubernetes import client
 
-    from kpr.objects import SERVICE_NAME_LABEL
     from kpr.sources.kubernetes import api_client
+    from kpr.sources.objects import SERVICE_NAME_LABEL
 
     host_in_state = source.removeprefix("kubernetes:") if source.startswith("kubernetes:") else None
     api = api_client(kubeconfig, master or (None if kubeconfig else host_in_state))
@@ -268,8 +269,8 @@ def service_report(
 ) -> dict:
     """`kpr status NAMESPACE/NAME`: the Service's frontends with what the maps hold, and
     each endpoint with why it does or does not get traffic on this node."""
-    from kpr.agent import node_context
-    from kpr.explain import explain
+    from kpr.agent.loop import node_context
+    from kpr.desired.explain import explain
 
     namespace, sep, name = namespaced_name.partition("/")
     if not sep or not namespace or not name or "/" in name:
@@ -307,7 +308,7 @@ def read_programmed(pin_dir: Path) -> ProgrammedState:
 
 
 def render_service(report: dict) -> str:
-    from kpr.explain import render
+    from kpr.desired.explain import render
 
     programmed = {
         f["frontend"]: f["maps"]

@@ -23,18 +23,17 @@ import logging
 import socket
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from datetime import UTC, datetime
 from decimal import Decimal
 from http.server import BaseHTTPRequestHandler, HTTPServer
 from typing import Any
 
-from kpr.metrics import Metrics
-from kpr.serving import BackgroundServer, BoundedThreadingMixIn
+from kpr.health.serving import BackgroundServer, BoundedThreadingMixIn
+from kpr.observe.metrics import Metrics
 
 log = logging.getLogger(__name__)
 
-TO_BE_DELETED_TAINT = "ToBeDeletedByClusterAutoscaler"
 _GO_ZERO_TIME = "0001-01-01 00:00:00 +0000 UTC"
 
 
@@ -52,14 +51,6 @@ def go_time(seconds: float | None) -> str:
     stamp = datetime.fromtimestamp(whole, UTC).strftime("%Y-%m-%d %H:%M:%S")
     fraction = f".{nanos:09d}".rstrip("0").rstrip(".")
     return f"{stamp}{fraction} +0000 UTC"
-
-
-def node_is_deleting(node: Mapping[str, Any]) -> bool:
-    """Whether an API-shaped Node is going away, by upstream SyncNode's rule."""
-    if (node.get("metadata") or {}).get("deletionTimestamp"):
-        return True
-    taints = (node.get("spec") or {}).get("taints") or []
-    return any(isinstance(t, dict) and t.get("key") == TO_BE_DELETED_TAINT for t in taints)
 
 
 def _go_quote(text: str) -> str:

@@ -21,20 +21,14 @@ from ipaddress import IPv6Address
 from pathlib import Path
 from typing import Protocol
 
-from kpr import __version__, conflicts, host, runstate
+from kpr import __version__
+from kpr.agent import runstate
 from kpr.datapath import abi, loader, sockets, tc
 from kpr.datapath.maps import BpfMaps, execute, slot_blocks
 from kpr.datapath.plan import apply_plan, plan
-from kpr.devices import (
-    NONE,
-    Device,
-    DeviceChoice,
-    DeviceWatch,
-    choose_devices,
-    node_port_addresses,
-)
+from kpr.desired.translate import translate
 from kpr.gcpause import paused_gc
-from kpr.healthcheck import HealthCheckServers
+from kpr.health.services import HealthCheckServers
 from kpr.model import (
     EXTERNAL,
     Backend,
@@ -46,7 +40,15 @@ from kpr.model import (
     Snapshot,
     Translation,
 )
-from kpr.translate import translate
+from kpr.node import conflicts, host
+from kpr.node.devices import (
+    NONE,
+    Device,
+    DeviceChoice,
+    DeviceWatch,
+    choose_devices,
+    node_port_addresses,
+)
 
 log = logging.getLogger("kpr")
 

@@ -16,11 +16,13 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from kpr import __version__, host, runstate
+from kpr import __version__
+from kpr.agent import runstate
 from kpr.model import NodeContext
+from kpr.node import host
 
 if TYPE_CHECKING:
-    from kpr.serving import BackgroundServer
+    from kpr.health.serving import BackgroundServer
 
 app = typer.Typer(
     add_completion=False,
@@ -153,14 +155,14 @@ def run(
     ] = LogLevel.info,
 ) -> None:
     """Run the agent: keep the BPF maps equal to the Services of the API server (or --source)."""
-    from kpr.agent import Agent, AgentConfig
-    from kpr.config import ConfigError, ProxyConfig, load_config, split_host_port
+    from kpr.agent.loop import Agent, AgentConfig
+    from kpr.cli.config import ConfigError, ProxyConfig, load_config, split_host_port
     from kpr.datapath import abi
-    from kpr.devices import choose_devices, node_port_addresses
-    from kpr.health import HealthServer, ProxyHealth
-    from kpr.healthcheck import HealthCheckServers
-    from kpr.metrics import Metrics, MetricsServer
-    from kpr.telemetry import Telemetry
+    from kpr.health.proxier import HealthServer, ProxyHealth
+    from kpr.health.services import HealthCheckServers
+    from kpr.node.devices import choose_devices, node_port_addresses
+    from kpr.observe.metrics import Metrics, MetricsServer
+    from kpr.observe.telemetry import Telemetry
 
     logging.basicConfig(
         level=log_level.value.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -306,7 +308,7 @@ def status(
     ] = None,
 ) -> None:
     """Show what the pinned maps hold (works while the agent is stopped)."""
-    from kpr.status import render, render_service, report, service_report
+    from kpr.cli.status import render, render_service, report, service_report
 
     try:
         host.require_root()
@@ -451,7 +453,3 @@ def bench(
         sys.exit(bench_run.main(cfg))
     except (bench_run.BenchError, host.SetupError) as err:
         _fail(err)
-
-
-if __name__ == "__main__":
-    app()

@@ -26,8 +26,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from ipaddress import ip_address, ip_network
 
-from kpr.host import SetupError
 from kpr.model import IPAddress
+from kpr.node.host import SetupError
 
 log = logging.getLogger(__name__)
 

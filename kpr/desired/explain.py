@@ -9,6 +9,16 @@ from __future__ import annotations
 
 from typing import Any
 
+from kpr.desired.translate import (
+    SERVICE_PROXY_NAME_LABEL,
+    available_for_topology,
+    categorize_endpoints,
+    frontends_of,
+    is_local,
+    is_served,
+    merge_endpoints,
+    topology_mode,
+)
 from kpr.model import (
     EXTERNAL,
     PROTOCOLS,
@@ -19,16 +29,6 @@ from kpr.model import (
     NodeContext,
     Service,
     ServicePort,
-)
-from kpr.translate import (
-    SERVICE_PROXY_NAME_LABEL,
-    available_for_topology,
-    categorize_endpoints,
-    frontends_of,
-    is_local,
-    is_served,
-    merge_endpoints,
-    topology_mode,
 )
 
 FAMILIES = {"IPv4": 4, "IPv6": 6}

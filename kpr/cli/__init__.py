@@ -1,0 +1,1 @@
+"""The `kpr` command: `kpr run` (the agent), `kpr status`, `kpr cleanup`, `kpr bench`..."""

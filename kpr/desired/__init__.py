@@ -1,0 +1,1 @@
+"""What kpr wants programmed: Services and EndpointSlices translated to frontends and backends."""

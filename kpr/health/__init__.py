@@ -1,0 +1,1 @@
+"""Health: the proxier's /healthz and /livez, and the Services' healthCheckNodePort servers."""

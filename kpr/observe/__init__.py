@@ -1,0 +1,1 @@
+"""Observability: Prometheus metrics, and the telemetry fed from each sync's result."""
