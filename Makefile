@@ -15,7 +15,7 @@ setup:
 demo: setup
 	$(VENV)/bin/kpr demo
 
-test: setup
+test: setup lint
 	command -v shellcheck >/dev/null && command -v ruby >/dev/null && command -v openssl >/dev/null || { apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends shellcheck ruby openssl; }
 	# The real-node lab: containerd, runc and the CNI plugins on each node; buildah and
 	# debootstrap build its images (no registry); busybox-static and libc6-dev go into them.
@@ -25,9 +25,12 @@ test: setup
 	$(PYTHON) -m kpr.lab.kube build --if-go
 	$(PYTHON) -m pytest -q
 
+# Style, the import layers (pyproject's [tool.importlinter]) and types ([tool.mypy]).
 lint: setup
 	$(VENV)/bin/ruff check kpr tests
 	$(VENV)/bin/ruff format --check kpr tests
+	$(VENV)/bin/lint-imports
+	$(VENV)/bin/mypy
 
 # The figures in README.md: 10,000 services x 10 endpoints.
 scale: setup

@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from kpr.agent import conflicts
 from kpr.datapath import abi, bpfsys, loader
-from kpr.node import conflicts
 
 
 @pytest.fixture
@@ -56,7 +56,7 @@ def test_legacy_iptables_rules_are_found_with_only_the_daemonsets_capabilities(n
         in_netns(netns, tool, "-t", "nat", "-N", "KUBE-SERVICES")
     only_those = ",".join(["-all", *(f"+{c.lower()}" for c in added)])
     script = (
-        "import json; from kpr import conflicts; "
+        "import json; from kpr.agent import conflicts; "
         "print(json.dumps(conflicts.check_kube_proxy_rules().__dict__))"
     )
     done = subprocess.run(

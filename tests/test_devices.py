@@ -7,6 +7,7 @@ from ipaddress import ip_address
 import pytest
 
 from kpr.datapath import abi
+from kpr.datapath.tc import device_entries
 from kpr.node.devices import (
     Device,
     DeviceChoice,
@@ -67,10 +68,10 @@ def test_every_other_device_with_an_address_is_one_for_replies():
 
 
 def test_kpr_devices_entries_flag_the_reply_devices_and_hold_the_node_address():
-    entries = DeviceChoice((ETH0,), (VXLAN,)).entries()
+    entries = device_entries(DeviceChoice((ETH0,), (VXLAN,)))
     assert entries == {
         abi.NODE_ADDRESS_INDEX: (ETH0.addresses[0], ETH0.addresses[1], 0),
         ETH0.index: (ETH0.addresses[0], ETH0.addresses[1], 0),
         VXLAN.index: (VXLAN.addresses[0], None, abi.DEVICE_F_REPLIES),
     }
-    assert DeviceChoice().entries() == {}  # --devices none: no TC program
+    assert device_entries(DeviceChoice()) == {}  # --devices none: no TC program

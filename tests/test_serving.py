@@ -11,8 +11,8 @@ from collections.abc import Callable, Iterator
 import pytest
 
 from kpr.health.proxier import HealthServer, ProxyHealth
-from kpr.health.serving import BackgroundServer
 from kpr.observe.metrics import Metrics, MetricsServer
+from kpr.serving import BackgroundServer
 
 TIMEOUT = 0.5
 BOUND = 8

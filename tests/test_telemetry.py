@@ -1,4 +1,4 @@
-"""What the agent's syncs make of health and metrics (kpr/observe/telemetry.py)."""
+"""What the agent's syncs make of health and metrics (kpr/agent/telemetry.py)."""
 
 from __future__ import annotations
 
@@ -6,11 +6,11 @@ from pathlib import Path
 from types import SimpleNamespace
 
 from kpr.agent.loop import SyncResult
+from kpr.agent.telemetry import Telemetry
 from kpr.health.proxier import ProxyHealth
 from kpr.model import Translation
 from kpr.node.host import KernelHeaders
 from kpr.observe.metrics import Metrics
-from kpr.observe.telemetry import Telemetry
 
 
 def attached(

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Protocol
 
 from kpr import __version__
-from kpr.agent import runstate
+from kpr.agent import conflicts, runstate
 from kpr.datapath import abi, loader, sockets, tc
 from kpr.datapath.maps import BpfMaps, execute, slot_blocks
 from kpr.datapath.plan import apply_plan, plan
@@ -40,7 +40,7 @@ from kpr.model import (
     Snapshot,
     Translation,
 )
-from kpr.node import conflicts, host
+from kpr.node import host
 from kpr.node.devices import (
     NONE,
     Device,
@@ -193,7 +193,7 @@ class Agent:
             self.device_watch = DeviceWatch()
             self.devices = choose_devices(cfg.device_spec, strict=False)
         # the address a remote backend sees for masqueraded flows, before any TC program runs
-        tc.write_devices(cfg.pin_dir, self.devices.entries())
+        tc.write_devices(cfg.pin_dir, tc.device_entries(self.devices))
         self.maps = BpfMaps(cfg.pin_dir)
         self._write_node_netns()
         self.programmed = self.maps.read()
@@ -254,7 +254,7 @@ class Agent:
         before, self.devices = self.devices, choice
         # the flags and addresses first: a device new to the program must not serve
         # frontends for a moment as a --devices device
-        tc.write_devices(cfg.pin_dir, choice.entries())
+        tc.write_devices(cfg.pin_dir, tc.device_entries(choice))
         if self._attached:
             self._attach_devices([n for n in choice.names if n not in before.names])
             gone = [n for n in before.names if n not in choice.names]

@@ -128,7 +128,7 @@ class RunState:
     problems: list[str] = field(default_factory=list)
     failed: list[str] = field(default_factory=list)
     watches: dict[str, dict] = field(default_factory=dict)  # the source's status
-    conflicts: list[str] = field(default_factory=list)  # found at start (kpr/node/conflicts.py)
+    conflicts: list[str] = field(default_factory=list)  # found at start (kpr/agent/conflicts.py)
     conflicts_not_checked: list[str] = field(default_factory=list)  # tools that could not look
     # the TC program's devices: name -> addresses; NodePorts answer on node_port_addresses
     devices: dict[str, list[str]] = field(default_factory=dict)

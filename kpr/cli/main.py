@@ -22,7 +22,7 @@ from kpr.model import NodeContext
 from kpr.node import host
 
 if TYPE_CHECKING:
-    from kpr.health.serving import BackgroundServer
+    from kpr.serving import BackgroundServer
 
 app = typer.Typer(
     add_completion=False,
@@ -156,13 +156,13 @@ def run(
 ) -> None:
     """Run the agent: keep the BPF maps equal to the Services of the API server (or --source)."""
     from kpr.agent.loop import Agent, AgentConfig
+    from kpr.agent.telemetry import Telemetry
     from kpr.cli.config import ConfigError, ProxyConfig, load_config, split_host_port
     from kpr.datapath import abi
     from kpr.health.proxier import HealthServer, ProxyHealth
     from kpr.health.services import HealthCheckServers
     from kpr.node.devices import choose_devices, node_port_addresses
     from kpr.observe.metrics import Metrics, MetricsServer
-    from kpr.observe.telemetry import Telemetry
 
     logging.basicConfig(
         level=log_level.value.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"

@@ -30,7 +30,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kpr.datapath import abi, bpfsys, loader
+from kpr.model import IPAddress
 from kpr.node import host
+from kpr.node.devices import DeviceChoice
 
 log = logging.getLogger(__name__)
 
@@ -302,6 +304,20 @@ def _packed(address: Address, version: int) -> bytes:
     if parsed.version != version:
         raise ValueError(f"{address} is not an IPv{version} address")
     return parsed.packed
+
+
+def device_entries(
+    choice: DeviceChoice,
+) -> dict[int, tuple[IPAddress | None, IPAddress | None, int]]:
+    """kpr_devices: ifindex -> (IPv4, IPv6, flags); index 0, the node's address."""
+    if not choice.serve:
+        return {}
+    out = {abi.NODE_ADDRESS_INDEX: (choice.node_address(4), choice.node_address(6), 0)}
+    for device in choice.serve:
+        out[device.index] = (device.first(4), device.first(6), 0)
+    for device in choice.replies:
+        out[device.index] = (device.first(4), device.first(6), abi.DEVICE_F_REPLIES)
+    return out
 
 
 def write_devices(

@@ -47,7 +47,7 @@ def explain(service: Service, slices: list[EndpointSlice], node: NodeContext) ->
     }
     if out["not_served"]:
         return out
-    families = {address.version for address in service.cluster_ips}
+    families: set[int] = {address.version for address in service.cluster_ips}
     for port in service.ports:
         entry: dict[str, Any] = {
             "name": port.name,
@@ -176,7 +176,7 @@ def _why_not(
     if policy == "Local" and not is_local(endpoint, node):
         where = f"node {endpoint.node_name}" if endpoint.node_name else "no node"
         return f"on {where}, not this node ({node.name}), and the traffic policy is Local"
-    scope = merged.values()
+    scope = list(merged.values())
     if policy == "Local":
         scope = [e for e in scope if is_local(e, node)]
     any_ready = any(e.ready for e in scope)

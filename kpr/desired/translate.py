@@ -21,6 +21,7 @@ from kpr.model import (
     Frontend,
     FrontendState,
     IPAddress,
+    IPNetwork,
     NodeContext,
     ObjectRef,
     Problem,
@@ -125,7 +126,7 @@ def _translate_service(
             if (version, policy) not in selected:
                 selected[(version, policy)] = select_backends(port, family_slices, policy, node)
             backends = selected[(version, policy)]  # as many as there are: no limit
-            ranges = ()
+            ranges: tuple[IPNetwork, ...] = ()
             if (
                 kind == "LoadBalancer"
                 and frontend.scope == SOCKET

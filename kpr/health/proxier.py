@@ -29,8 +29,8 @@ from decimal import Decimal
 from http.server import BaseHTTPRequestHandler, HTTPServer
 from typing import Any
 
-from kpr.health.serving import BackgroundServer, BoundedThreadingMixIn
 from kpr.observe.metrics import Metrics
+from kpr.serving import BackgroundServer, BoundedThreadingMixIn
 
 log = logging.getLogger(__name__)
 

@@ -142,19 +142,6 @@ class DeviceChoice:
         """The node's address of a family: the first served device's first one."""
         return next((a for d in self.serve if (a := d.first(version)) is not None), None)
 
-    def entries(self) -> dict[int, tuple[IPAddress | None, IPAddress | None, int]]:
-        """kpr_devices: ifindex -> (IPv4, IPv6, flags); index 0, the node's address."""
-        from kpr.datapath import abi
-
-        if not self.serve:
-            return {}
-        out = {abi.NODE_ADDRESS_INDEX: (self.node_address(4), self.node_address(6), 0)}
-        for device in self.serve:
-            out[device.index] = (device.first(4), device.first(6), 0)
-        for device in self.replies:
-            out[device.index] = (device.first(4), device.first(6), abi.DEVICE_F_REPLIES)
-        return out
-
 
 def choose_devices(
     spec: str, node_addresses: Iterable[IPAddress] = (), strict: bool = True

@@ -287,7 +287,7 @@ def port_holders(port: int) -> list[str]:
                 and int(fields[1].rsplit(":", 1)[1], 16) == port
             ):
                 inodes.add(f"socket:[{fields[9]}]")
-    holders = []
+    holders: list[str] = []
     if not inodes:
         return holders
     for proc in Path("/proc").iterdir():

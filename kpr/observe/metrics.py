@@ -23,7 +23,7 @@ from prometheus_client.core import CounterMetricFamily
 from prometheus_client.registry import Collector
 
 from kpr.datapath import abi
-from kpr.health.serving import BackgroundServer, BoundedThreadingMixIn
+from kpr.serving import BackgroundServer, BoundedThreadingMixIn
 
 log = logging.getLogger(__name__)
 

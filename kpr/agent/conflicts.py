@@ -78,7 +78,7 @@ def kube_proxy_rules(netns: str | None = None) -> list[str]:
 def foreign_programs(cgroup: Path) -> list[str]:
     """Programs other than kpr's on the cgroup hooks kpr uses: they run beside kpr's
     and may rewrite the same connections."""
-    found = []
+    found: list[str] = []
     try:
         cgroup_fd = os.open(cgroup, os.O_RDONLY | os.O_DIRECTORY)
     except OSError:
