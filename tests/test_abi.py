@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ctypes as ct
+import re
 import struct
 
 from kpr import model
@@ -39,17 +40,47 @@ def test_every_hook_function_exists_in_the_program_source():
         assert f"int {hook.function}(struct bpf_sock_addr *ctx)" in source
 
 
-def test_slot_limit_and_version_match_the_header():
+def test_the_header_defines_no_constant_of_abi_py_and_uses_each():
+    """kpr.h and the programs take every constant and size from abi.cflags: none is defined
+    in C too (a second definition could drift), and none is passed that C does not use."""
+    sources = {p.name: p.read_text() for p in sorted(abi.BPF_DIR.glob("*.[ch]"))}
+    passed = set(abi.constants()) | {flag[2:].split("=")[0] for flag in abi.MapSizes().cflags()}
+    defined = {
+        name for text in sources.values() for name in re.findall(r"#define\s+(KPR_\w+)", text)
+    }
+    used = {name for text in sources.values() for name in re.findall(r"\bKPR_\w+\b", text)}
+    assert passed & defined == set()
+    assert passed - used == set()
+    # a KPR_* name in C that is neither passed nor defined in C: a constant C lost
+    enum_members = {
+        name
+        for text in sources.values()
+        for name in re.findall(r"^\s*(KPR_\w+)\s*[=,]", text, re.M)
+    }
+    unknown = used - passed - defined - enum_members - {"KPR_PIN_DIR"}
+    assert {name for name in unknown if not name.endswith("_")} == set()
+
+
+def test_constants_handed_to_the_compile_are_abi_py_s():
+    flags = abi.cflags(abi.BPF_DIR, abi.MapSizes())
+    assert f"-DKPR_ABI_VERSION={abi.ABI_VERSION}" in flags
+    assert f"-DKPR_BLOCK_SLOTS={abi.BLOCK_SLOTS}" in flags
+    assert f"-DKPR_SCOPE_SOCKET={model.SOCKET}" in flags
+    assert f"-DKPR_SCOPE_EXTERNAL={model.EXTERNAL}" in flags
+    assert f"-DKPR_SVC_F_SOURCE_RANGES={abi.SVC_F_SOURCE_RANGES}" in flags
+    assert f"-DKPR_STAT_MAX={abi.STAT_MAX}" in flags
+    assert f"-DKPR_SERVICES_MAX={abi.MapSizes().services}" in flags
+    assert f"v{abi.ABI_VERSION}_" == abi.PIN_PREFIX
+    assert all(spec.pin.startswith(abi.PIN_PREFIX) for spec in abi.MAPS.values())
     header = (abi.BPF_DIR / "kpr.h").read_text()
-    assert f"#define KPR_SCOPE_SOCKET {model.SOCKET} " in header
-    assert f"#define KPR_SCOPE_EXTERNAL {model.EXTERNAL} " in header
-    assert (
-        f"#define KPR_SVC_F_SOURCE_RANGES (1 << {abi.SVC_F_SOURCE_RANGES.bit_length() - 1})"
-        in header
-    )
-    assert f"#define KPR_BLOCK_SLOTS {abi.BLOCK_SLOTS}\n" in header
-    assert f"#define KPR_ABI_VERSION {abi.ABI_VERSION}\n" in header
-    assert f'"/v{abi.ABI_VERSION}_" name' in header
+    assert '#define KPR_PIN(name) KPR_PIN_DIR "/v" KPR_STR(KPR_ABI_VERSION) "_" name' in header
+
+
+def test_compiled_maps_have_the_sizes_abi_py_passes(compiled_bpf):
+    sizes = abi.MapSizes(1024, 1024, 1024, 1024, 1024)  # as conftest compiles them
+    for spec in abi.MAPS.values():
+        table = compiled_bpf[spec.name.encode()]
+        assert table.max_entries == sizes.max_entries(spec), spec.name
 
 
 def test_32_bit_slots_are_the_bytes_of_the_earlier_16_bit_slots_and_padding():

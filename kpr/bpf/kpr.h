@@ -1,58 +1,59 @@
-/* kpr: the kernel/user ABI. The one place that defines the map layouts.
+/* kpr: the kernel/user ABI: the map layouts and the maps.
  *
  * kpr/datapath/abi.py mirrors these structs with ctypes; change both in the
  * same commit (tests/test_abi.py compares them with what BCC compiles).
  *
- * Set by the loader through cflags:
- *   KPR_PIN_DIR        bpffs directory the maps are pinned in ("/sys/fs/bpf/kpr")
- *   KPR_SERVICE_MAX    entries of each service map (masters + slots)
- *   KPR_BACKEND_MAX    entries of each backend map
- *   KPR_REVNAT_MAX     entries of each service-id -> frontend map
- *   KPR_SOCK_REVNAT_MAX  entries of each per-socket reverse map (LRU)
- *   KPR_SOCK_PEERS_MAX   slots of the connected sockets' peer ring
- *   KPR_AFFINITY_MAX   entries of the session affinity maps (LRU)
- *   KPR_CT_MAX         entries of each TC connection-tracking map (LRU)
- *   KPR_SOURCE_RANGE_MAX  entries of the loadBalancerSourceRanges map
+ * Every constant and map size is defined in kpr/datapath/abi.py only and
+ * handed to the compile as -D flags by kpr/datapath/loader.py (abi.cflags):
+ *   KPR_PIN_DIR          bpffs directory the maps are pinned in ("/sys/fs/bpf/kpr")
+ *   KPR_ABI_VERSION      pinned map names start with "v<version>_"
+ *   KPR_BLOCK_SLOTS, KPR_SVC_F_*, KPR_SCOPE_*, KPR_STAT_*, KPR_CT_F_*, KPR_DEVICE_F_*
+ *   KPR_<SIZE>_MAX       max_entries (abi.MapSizes, --map-sizes): KPR_SERVICES_MAX,
+ *                        KPR_BACKENDS_MAX, KPR_REVNAT_MAX, KPR_SOCK_REVNAT_MAX,
+ *                        KPR_SOCK_PEERS_MAX, KPR_AFFINITY_MAX, KPR_CT_MAX,
+ *                        KPR_SOURCE_RANGES_MAX; fixed ones: KPR_DEVICES_MAX,
+ *                        KPR_NODE_PORTS_MAX, KPR_LOCAL_ENDPOINTS_MAX
+ * No defaults here: a default would be a second definition that could drift
+ * from abi.py's. A compile without the flags stops at the #error below (and
+ * any single missing one at its first use, as an undeclared identifier).
  */
 #ifndef KPR_H
 #define KPR_H
 
 #include <uapi/linux/bpf.h>
 
-/* Pinned map names start with this; a changed layout gets a new version. */
-#define KPR_ABI_VERSION 1
+#ifndef KPR_ABI_VERSION
+#error "kpr.h takes its constants from kpr/datapath/abi.py: compile through kpr.datapath.loader"
+#endif
 
-/* A frontend with at most this many backends also has its slots in
- * kpr_slot_blocks (struct kpr_slot_block: one cache line). */
-#define KPR_BLOCK_SLOTS 16
-
-/* Frontend flags (struct kpr_service.flags, master entry). */
-#define KPR_SVC_F_NONE 0
-#define KPR_SVC_F_SOURCE_RANGES (1 << 0) /* only sources in kpr_source_ranges */
-/* no endpoint (count 0) because of externalTrafficPolicy Local while other nodes
- * have some: dropped, as kube-proxy does, instead of refused */
-#define KPR_SVC_F_DROP (1 << 1)
-
-/* Which clients a frontend entry serves (service key .scope). A NodePort,
+/* KPR_BLOCK_SLOTS: a frontend with at most this many backends also has its
+ * slots in kpr_slot_blocks (struct kpr_slot_block: one cache line).
+ *
+ * Frontend flags (struct kpr_service.flags, master entry):
+ *   KPR_SVC_F_SOURCE_RANGES  only sources in kpr_source_ranges
+ *   KPR_SVC_F_DROP           no endpoint (count 0) because of externalTrafficPolicy
+ *                            Local while other nodes have some: dropped, as
+ *                            kube-proxy does, instead of refused
+ *
+ * Which clients a frontend entry serves (service key .scope). A NodePort,
  * LoadBalancer IP or external IP has an entry in each: processes and pods on
  * the node reach every endpoint, while external traffic follows
- * externalTrafficPolicy (Local: this node's endpoints only). */
-#define KPR_SCOPE_SOCKET 0   /* cgroup hooks: connect/sendmsg on this node */
-#define KPR_SCOPE_EXTERNAL 1 /* TC: packets arriving on the node's devices */
-
-/* Outcome counters: index into the per-CPU stats array. */
-enum kpr_outcome {
-	KPR_STAT_TRANSLATED = 0,    /* connect/sendmsg given a backend */
-	KPR_STAT_NO_BACKEND = 1,    /* service without endpoints: refused */
-	KPR_STAT_BACKEND_MISSING = 2, /* slot or backend entry absent: map error */
-	KPR_STAT_REVERSED = 3,      /* recvmsg/getpeername shown the service address */
-	KPR_STAT_REVNAT_FULL = 4,   /* per-socket reverse entry could not be written */
-	KPR_STAT_EXT_TRANSLATED = 5, /* TC: a new external flow given a backend */
-	KPR_STAT_EXT_REJECTED = 6,  /* TC: no endpoints (or no NAT port): ICMP unreachable */
-	KPR_STAT_EXT_DROPPED = 7,   /* TC: source outside loadBalancerSourceRanges, or
-				     * no local endpoint (KPR_SVC_F_DROP): dropped */
-	KPR_STAT_MAX = 8,
-};
+ * externalTrafficPolicy (Local: this node's endpoints only).
+ *   KPR_SCOPE_SOCKET    cgroup hooks: connect/sendmsg on this node
+ *   KPR_SCOPE_EXTERNAL  TC: packets arriving on the node's devices
+ *
+ * Outcome counters, indexes into the per-CPU stats array (abi.STAT_NAMES):
+ *   KPR_STAT_TRANSLATED        connect/sendmsg given a backend
+ *   KPR_STAT_NO_BACKEND        service without endpoints: refused
+ *   KPR_STAT_BACKEND_MISSING   slot or backend entry absent: map error
+ *   KPR_STAT_REVERSED          recvmsg/getpeername shown the service address
+ *   KPR_STAT_REVNAT_FULL       per-socket reverse entry could not be written
+ *   KPR_STAT_EXTERNAL_TRANSLATED  TC: a new external flow given a backend
+ *   KPR_STAT_EXTERNAL_REJECTED    TC: no endpoints (or no NAT port): ICMP unreachable
+ *   KPR_STAT_EXTERNAL_DROPPED     TC: source outside loadBalancerSourceRanges, or
+ *                                 no local endpoint (KPR_SVC_F_DROP): dropped
+ *   KPR_STAT_MAX               entries of kpr_stats
+ */
 
 /* Addresses are byte arrays in network order and ports are in host order, so
  * `bpftool map dump` shows them as people read them ([10,96,0,10], 80). */
@@ -189,7 +190,7 @@ struct kpr_flow_key {
 	__u16 pad;
 };
 
-#define KPR_CT_F_SNAT (1 << 0) /* source translated to a node address (remote backend) */
+/* flags: KPR_CT_F_SNAT, source translated to a node address (remote backend) */
 
 /* kpr_ct: client -> frontend flow as it arrives -> where its packets go.
  * Every packet of a flow follows its first packet's choice. */
@@ -220,9 +221,8 @@ struct kpr_nat {
  * egress device's own address, as iptables' MASQUERADE picks. Every device the TC
  * program is on has an entry; index 0 holds the node's address, for devices that
  * have none of a family. Zero address there too: that family is not masqueraded. */
-#define KPR_DEVICE_F_REPLIES (1 << 0) /* not a --devices device: the TC program is
-					* there for the replies of masqueraded flows
-					* only, no frontend is served on it */
+/* flags: KPR_DEVICE_F_REPLIES, not a --devices device: the TC program is there
+ * for the replies of masqueraded flows only, no frontend is served on it */
 
 struct kpr_device {
 	__u8 address4[4];
@@ -268,16 +268,19 @@ struct kpr_config {
 	__u64 node_netns_cookie;
 };
 
-#define KPR_PIN(name) KPR_PIN_DIR "/v1_" name
+#define KPR_STR_(x) #x
+#define KPR_STR(x) KPR_STR_(x)
+/* "<KPR_PIN_DIR>/v<KPR_ABI_VERSION>_<name>", as abi.PIN_PREFIX */
+#define KPR_PIN(name) KPR_PIN_DIR "/v" KPR_STR(KPR_ABI_VERSION) "_" name
 
 BPF_TABLE_PINNED("hash", struct kpr_service4_key, struct kpr_service, kpr_services4,
-		 KPR_SERVICE_MAX, KPR_PIN("services4"), BPF_F_NO_PREALLOC);
+		 KPR_SERVICES_MAX, KPR_PIN("services4"), BPF_F_NO_PREALLOC);
 BPF_TABLE_PINNED("hash", struct kpr_service6_key, struct kpr_service, kpr_services6,
-		 KPR_SERVICE_MAX, KPR_PIN("services6"), BPF_F_NO_PREALLOC);
+		 KPR_SERVICES_MAX, KPR_PIN("services6"), BPF_F_NO_PREALLOC);
 BPF_TABLE_PINNED("hash", __u32, struct kpr_backend4, kpr_backends4,
-		 KPR_BACKEND_MAX, KPR_PIN("backends4"), BPF_F_NO_PREALLOC);
+		 KPR_BACKENDS_MAX, KPR_PIN("backends4"), BPF_F_NO_PREALLOC);
 BPF_TABLE_PINNED("hash", __u32, struct kpr_backend6, kpr_backends6,
-		 KPR_BACKEND_MAX, KPR_PIN("backends6"), BPF_F_NO_PREALLOC);
+		 KPR_BACKENDS_MAX, KPR_PIN("backends6"), BPF_F_NO_PREALLOC);
 BPF_TABLE_PINNED("hash", __u32, struct kpr_revnat4, kpr_revnat4,
 		 KPR_REVNAT_MAX, KPR_PIN("revnat4"), BPF_F_NO_PREALLOC);
 BPF_TABLE_PINNED("hash", __u32, struct kpr_revnat6, kpr_revnat6,
@@ -300,16 +303,17 @@ BPF_TABLE_PINNED("lru_hash", struct kpr_flow_key, struct kpr_ct, kpr_ct, KPR_CT_
 		 KPR_PIN("ct"));
 BPF_TABLE_PINNED("lru_hash", struct kpr_flow_key, struct kpr_nat, kpr_nat, KPR_CT_MAX,
 		 KPR_PIN("nat"));
-BPF_TABLE_PINNED("hash", __u32, struct kpr_device, kpr_devices, 256, KPR_PIN("devices"),
+BPF_TABLE_PINNED("hash", __u32, struct kpr_device, kpr_devices, KPR_DEVICES_MAX, KPR_PIN("devices"),
 		 BPF_F_NO_PREALLOC);
 BPF_TABLE_PINNED("lru_hash", struct kpr_affinity_ext_key, struct kpr_affinity,
 		 kpr_affinity_ext, KPR_AFFINITY_MAX, KPR_PIN("affinity_ext"));
 BPF_TABLE_PINNED("lpm_trie", struct kpr_source_range_key, __u8, kpr_source_ranges,
-		 KPR_SOURCE_RANGE_MAX, KPR_PIN("source_ranges"), BPF_F_NO_PREALLOC);
-BPF_TABLE_PINNED("hash", struct kpr_node_port_key, __u8, kpr_node_ports, 65536,
+		 KPR_SOURCE_RANGES_MAX, KPR_PIN("source_ranges"), BPF_F_NO_PREALLOC);
+BPF_TABLE_PINNED("hash", struct kpr_node_port_key, __u8, kpr_node_ports, KPR_NODE_PORTS_MAX,
 		 KPR_PIN("node_ports"), BPF_F_NO_PREALLOC);
 BPF_TABLE_PINNED("array", __u32, struct kpr_config, kpr_config, 1, KPR_PIN("config"));
-BPF_TABLE_PINNED("hash", struct kpr_local_endpoint_key, __u8, kpr_local_endpoints, 65536,
+BPF_TABLE_PINNED("hash", struct kpr_local_endpoint_key, __u8, kpr_local_endpoints,
+		 KPR_LOCAL_ENDPOINTS_MAX,
 		 KPR_PIN("local_endpoints"), BPF_F_NO_PREALLOC);
 
 #endif /* KPR_H */

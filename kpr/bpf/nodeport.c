@@ -396,7 +396,7 @@ static __always_inline int reject(struct __sk_buff *skb, const struct flow *f)
 	__u32 zero = 0, len;
 	union reply *r;
 
-	stat_inc(KPR_STAT_EXT_REJECTED);
+	stat_inc(KPR_STAT_EXTERNAL_REJECTED);
 	r = kpr_tc_scratch.lookup(&zero);
 	if (!r || bpf_skb_load_bytes(skb, 0, macs, sizeof(macs)) < 0)
 		return TC_ACT_SHOT;
@@ -603,12 +603,12 @@ static __always_inline int new_flow(struct __sk_buff *skb, struct flow *f)
 		};
 		__builtin_memcpy(rk.address, f->key.saddr, 16);
 		if (!kpr_source_ranges.lookup(&rk)) {
-			stat_inc(KPR_STAT_EXT_DROPPED);
+			stat_inc(KPR_STAT_EXTERNAL_DROPPED);
 			return TC_ACT_SHOT;
 		}
 	}
 	if (master->count == 0 && (master->flags & KPR_SVC_F_DROP)) {
-		stat_inc(KPR_STAT_EXT_DROPPED);
+		stat_inc(KPR_STAT_EXTERNAL_DROPPED);
 		return TC_ACT_SHOT;
 	}
 	if (master->count == 0)
@@ -665,7 +665,7 @@ static __always_inline int new_flow(struct __sk_buff *skb, struct flow *f)
 
 	if (rewrite(skb, f, &to) < 0)
 		return TC_ACT_SHOT;
-	stat_inc(KPR_STAT_EXT_TRANSLATED);
+	stat_inc(KPR_STAT_EXTERNAL_TRANSLATED);
 	return snat ? send_on(skb, f, fib_ret, &p) : KPR_PASS;
 }
 

@@ -1,7 +1,11 @@
-"""The Python mirror of kpr/bpf/kpr.h: struct layouts, map names, constants.
+"""The kernel/user ABI as Python sees it: constants, map sizes, struct layouts, map names.
 
-kpr/bpf/kpr.h is the source of truth; tests/test_abi.py checks these ctypes
-layouts against the types BCC compiles from it. Change both together.
+The constants and map sizes are defined here only: `cflags()` and `MapSizes.cflags()`
+hand them to the C compile as -D flags (kpr/bpf/kpr.h defines none of them). The
+struct layouts are written twice, as C in kpr/bpf/kpr.h and as ctypes here;
+tests/test_abi.py checks the ctypes layouts against the types BCC compiles, so
+change both together. The `struct` formats used to pack many entries fast are
+computed from the ctypes classes (`layout`), never written by hand.
 """
 
 from __future__ import annotations
@@ -13,7 +17,10 @@ import struct
 from dataclasses import dataclass
 from pathlib import Path
 
-ABI_VERSION = 1
+from kpr import model
+
+ABI_VERSION = 1  # a changed layout gets a new version, and so new pins
+PIN_PREFIX = f"v{ABI_VERSION}_"  # every pin of this version starts so (kpr.h: KPR_PIN)
 
 BPF_DIR = Path(__file__).resolve().parents[1] / "bpf"  # package data, installed with kpr
 
@@ -31,7 +38,7 @@ STAT_NAMES = {
     6: "external_rejected",
     7: "external_dropped",
 }
-STAT_MAX = 8
+STAT_MAX = len(STAT_NAMES)
 
 # struct kpr_service.flags
 SVC_F_SOURCE_RANGES = 1 << 0
@@ -102,7 +109,7 @@ class SockRevNat6Key(ct.Structure):
     ]
 
 
-BLOCK_SLOTS = 16  # KPR_BLOCK_SLOTS
+BLOCK_SLOTS = 16  # a frontend with at most this many backends has a struct kpr_slot_block
 
 
 class SlotBlock(ct.Structure):
@@ -222,7 +229,7 @@ class MapSpec:
     map_type: int  # BPF_MAP_TYPE_*
     key: type[ct.Structure] | type[ct._SimpleCData]
     value: type[ct.Structure] | type[ct._SimpleCData]
-    size: str | int  # the -D that sets max_entries, or a fixed max_entries
+    size: str | int  # the MapSizes field that sets max_entries, or a fixed max_entries
 
     @property
     def key_size(self) -> int:
@@ -242,63 +249,75 @@ BPF_MAP_TYPE_LPM_TRIE = 11
 
 def _spec(name: str, map_type: int, key, value, size: str | int) -> MapSpec:
     short = name.removeprefix("kpr_")
-    return MapSpec(name, f"v{ABI_VERSION}_{short}", map_type, key, value, size)
+    return MapSpec(name, PIN_PREFIX + short, map_type, key, value, size)
+
+
+# fixed max_entries (not --map-sizes knobs), handed to kpr.h like the others
+DEVICES_MAX = 256  # kpr_devices: the node's devices, and index 0
+NODE_PORTS_MAX = 65536  # kpr_node_ports: every port of both protocols
+LOCAL_ENDPOINTS_MAX = 65536  # kpr_local_endpoints
 
 
 MAPS: dict[str, MapSpec] = {
     s.name: s
     for s in (
-        _spec("kpr_services4", BPF_MAP_TYPE_HASH, Service4Key, ServiceValue, "KPR_SERVICE_MAX"),
-        _spec("kpr_services6", BPF_MAP_TYPE_HASH, Service6Key, ServiceValue, "KPR_SERVICE_MAX"),
-        _spec("kpr_backends4", BPF_MAP_TYPE_HASH, ct.c_uint32, Backend4, "KPR_BACKEND_MAX"),
-        _spec("kpr_backends6", BPF_MAP_TYPE_HASH, ct.c_uint32, Backend6, "KPR_BACKEND_MAX"),
-        _spec("kpr_revnat4", BPF_MAP_TYPE_HASH, ct.c_uint32, RevNat4, "KPR_REVNAT_MAX"),
-        _spec("kpr_revnat6", BPF_MAP_TYPE_HASH, ct.c_uint32, RevNat6, "KPR_REVNAT_MAX"),
+        _spec("kpr_services4", BPF_MAP_TYPE_HASH, Service4Key, ServiceValue, "services"),
+        _spec("kpr_services6", BPF_MAP_TYPE_HASH, Service6Key, ServiceValue, "services"),
+        _spec("kpr_backends4", BPF_MAP_TYPE_HASH, ct.c_uint32, Backend4, "backends"),
+        _spec("kpr_backends6", BPF_MAP_TYPE_HASH, ct.c_uint32, Backend6, "backends"),
+        _spec("kpr_revnat4", BPF_MAP_TYPE_HASH, ct.c_uint32, RevNat4, "revnat"),
+        _spec("kpr_revnat6", BPF_MAP_TYPE_HASH, ct.c_uint32, RevNat6, "revnat"),
         _spec(
             "kpr_sock_revnat4",
             BPF_MAP_TYPE_LRU_HASH,
             SockRevNat4Key,
             RevNat4,
-            "KPR_SOCK_REVNAT_MAX",
+            "sock_revnat",
         ),
         _spec(
             "kpr_sock_revnat6",
             BPF_MAP_TYPE_LRU_HASH,
             SockRevNat6Key,
             RevNat6,
-            "KPR_SOCK_REVNAT_MAX",
+            "sock_revnat",
         ),
         _spec(
             "kpr_sock_peers",
             BPF_MAP_TYPE_ARRAY,
             ct.c_uint32,
             SockPeerSlot,
-            "KPR_SOCK_PEERS_MAX",
+            "sock_peers",
         ),
         # indexed by service id, like the revnat maps: as many entries
-        _spec("kpr_slot_blocks", BPF_MAP_TYPE_ARRAY, ct.c_uint32, SlotBlock, "KPR_REVNAT_MAX"),
-        _spec("kpr_affinity", BPF_MAP_TYPE_LRU_HASH, AffinityKey, Affinity, "KPR_AFFINITY_MAX"),
+        _spec("kpr_slot_blocks", BPF_MAP_TYPE_ARRAY, ct.c_uint32, SlotBlock, "revnat"),
+        _spec("kpr_affinity", BPF_MAP_TYPE_LRU_HASH, AffinityKey, Affinity, "affinity"),
         _spec("kpr_stats", BPF_MAP_TYPE_PERCPU_ARRAY, ct.c_uint32, ct.c_uint64, STAT_MAX),
-        _spec("kpr_ct", BPF_MAP_TYPE_LRU_HASH, FlowKey, Ct, "KPR_CT_MAX"),
-        _spec("kpr_nat", BPF_MAP_TYPE_LRU_HASH, FlowKey, Nat, "KPR_CT_MAX"),
-        _spec("kpr_devices", BPF_MAP_TYPE_HASH, ct.c_uint32, Device, 256),
+        _spec("kpr_ct", BPF_MAP_TYPE_LRU_HASH, FlowKey, Ct, "ct"),
+        _spec("kpr_nat", BPF_MAP_TYPE_LRU_HASH, FlowKey, Nat, "ct"),
+        _spec("kpr_devices", BPF_MAP_TYPE_HASH, ct.c_uint32, Device, DEVICES_MAX),
         _spec(
             "kpr_affinity_ext",
             BPF_MAP_TYPE_LRU_HASH,
             AffinityExtKey,
             Affinity,
-            "KPR_AFFINITY_MAX",
+            "affinity",
         ),
         _spec(
             "kpr_source_ranges",
             BPF_MAP_TYPE_LPM_TRIE,
             SourceRangeKey,
             ct.c_uint8,
-            "KPR_SOURCE_RANGE_MAX",
+            "source_ranges",
         ),
-        _spec("kpr_node_ports", BPF_MAP_TYPE_HASH, NodePortKey, ct.c_uint8, 65536),
+        _spec("kpr_node_ports", BPF_MAP_TYPE_HASH, NodePortKey, ct.c_uint8, NODE_PORTS_MAX),
         _spec("kpr_config", BPF_MAP_TYPE_ARRAY, ct.c_uint32, Config, 1),
-        _spec("kpr_local_endpoints", BPF_MAP_TYPE_HASH, LocalEndpointKey, ct.c_uint8, 65536),
+        _spec(
+            "kpr_local_endpoints",
+            BPF_MAP_TYPE_HASH,
+            LocalEndpointKey,
+            ct.c_uint8,
+            LOCAL_ENDPOINTS_MAX,
+        ),
     )
 }
 
@@ -308,7 +327,7 @@ MAPS: dict[str, MapSpec] = {
 ADDED_MAPS = {"kpr_config", "kpr_local_endpoints"}
 
 # socket local storage (kpr_sock_peer): no entries to read or size, but pinned like the rest
-SOCK_PEER_PIN = f"v{ABI_VERSION}_sock_peer"
+SOCK_PEER_PIN = PIN_PREFIX + "sock_peer"
 
 MAP_PRESSURE = 0.9  # a map this full is reported (log, `kpr status`) before writes fail
 
@@ -344,44 +363,85 @@ class MapSizes:
         return dataclasses.replace(cls(), **sizes)
 
     def max_entries(self, spec: MapSpec) -> int:
-        if isinstance(spec.size, int):
-            return spec.size
-        return {
-            "KPR_SERVICE_MAX": self.services,
-            "KPR_BACKEND_MAX": self.backends,
-            "KPR_REVNAT_MAX": self.revnat,
-            "KPR_SOCK_REVNAT_MAX": self.sock_revnat,
-            "KPR_SOCK_PEERS_MAX": self.sock_peers,
-            "KPR_AFFINITY_MAX": self.affinity,
-            "KPR_CT_MAX": self.ct,
-            "KPR_SOURCE_RANGE_MAX": self.source_ranges,
-        }[spec.size]
+        return spec.size if isinstance(spec.size, int) else getattr(self, spec.size)
 
     def cflags(self) -> list[str]:
+        """-DKPR_<FIELD>_MAX=<entries> for each field (kpr.h sizes its maps with them)."""
         return [
-            f"-DKPR_SERVICE_MAX={self.services}",
-            f"-DKPR_BACKEND_MAX={self.backends}",
-            f"-DKPR_REVNAT_MAX={self.revnat}",
-            f"-DKPR_SOCK_REVNAT_MAX={self.sock_revnat}",
-            f"-DKPR_SOCK_PEERS_MAX={self.sock_peers}",
-            f"-DKPR_AFFINITY_MAX={self.affinity}",
-            f"-DKPR_CT_MAX={self.ct}",
-            f"-DKPR_SOURCE_RANGE_MAX={self.source_ranges}",
+            f"-DKPR_{f.name.upper()}_MAX={getattr(self, f.name)}" for f in dataclasses.fields(self)
         ]
 
 
-# struct-module formats of the same layouts, for packing many entries fast
-# (tests/test_abi.py checks each against its ctypes mirror).
-SERVICE4_KEY = struct.Struct("<4sHBBI")  # address, port, protocol, scope, slot
-SERVICE6_KEY = struct.Struct("<16sHBBI")
-SERVICE_VALUE = struct.Struct("<IIIIIxxxx")  # backend_id, count, service_id, flags, affinity
-BACKEND4 = struct.Struct("<4sHxx")  # address, port; also struct kpr_revnat4
-BACKEND6 = struct.Struct("<16sHxx")
-ID = struct.Struct("<I")
-SLOT_BLOCK = struct.Struct(f"<{BLOCK_SLOTS}I")  # struct kpr_slot_block
-DEVICE = struct.Struct("<4s16sxxxx")  # address4, address6 (flags zero)
-DEVICE_FLAGS = struct.Struct("<4s16sI")  # address4, address6, flags
-SOURCE_RANGE_KEY = struct.Struct("<II16s")  # prefixlen, service_id, address
-NODE_PORT_KEY = struct.Struct("<HBx")  # port, protocol
-CONFIG = struct.Struct("<Q")  # struct kpr_config: node_netns_cookie
-LOCAL_ENDPOINT_KEY = struct.Struct("<16sB3x")  # address (IPv4 in the first 4 bytes), family
+def constants() -> dict[str, int]:
+    """The constants kpr/bpf/kpr.h and the programs use, by their C names."""
+    out = {
+        "KPR_ABI_VERSION": ABI_VERSION,
+        "KPR_BLOCK_SLOTS": BLOCK_SLOTS,
+        "KPR_SVC_F_SOURCE_RANGES": SVC_F_SOURCE_RANGES,
+        "KPR_SVC_F_DROP": SVC_F_DROP,
+        "KPR_SCOPE_SOCKET": model.SOCKET,  # the service key's scope: Frontend.scope
+        "KPR_SCOPE_EXTERNAL": model.EXTERNAL,
+        "KPR_CT_F_SNAT": CT_F_SNAT,
+        "KPR_DEVICE_F_REPLIES": DEVICE_F_REPLIES,
+        "KPR_DEVICES_MAX": DEVICES_MAX,
+        "KPR_NODE_PORTS_MAX": NODE_PORTS_MAX,
+        "KPR_LOCAL_ENDPOINTS_MAX": LOCAL_ENDPOINTS_MAX,
+        "KPR_STAT_MAX": STAT_MAX,
+    }
+    out.update({f"KPR_STAT_{name.upper()}": index for index, name in STAT_NAMES.items()})
+    return out
+
+
+def cflags(pin_dir: Path, sizes: MapSizes) -> list[str]:
+    """Everything the C compile takes from here: constants, map sizes, the pin directory."""
+    flags = [f"-I{BPF_DIR}", f'-DKPR_PIN_DIR="{pin_dir}"']
+    flags += [f"-D{name}={value}" for name, value in constants().items()]
+    return flags + sizes.cflags()
+
+
+# --- struct-module formats computed from the ctypes layouts -----------------------
+
+_CODES = {ct.c_uint8: "B", ct.c_uint16: "H", ct.c_uint32: "I", ct.c_uint64: "Q"}
+
+
+def layout(ctype: type[ct.Structure], zero: tuple[str, ...] = ()) -> struct.Struct:
+    """A little-endian `struct` format of the same bytes as `ctype`: one value per field in
+    C order (a byte array is one bytes value, another array one value per element), none
+    for fields named pad* or listed in `zero` (packed as zero bytes), and zero bytes for
+    the gaps the C alignment leaves. Packing many entries with it is several times faster
+    than filling ctypes instances."""
+    fmt, end = "<", 0
+    for name, ftype, *_ in ctype._fields_:
+        field = getattr(ctype, name)
+        if field.offset > end:
+            fmt += f"{field.offset - end}x"
+        end = field.offset + field.size
+        if name.startswith("pad") or name in zero:
+            fmt += f"{field.size}x"
+        elif issubclass(ftype, ct.Array) and ftype._type_ is ct.c_uint8:
+            fmt += f"{ftype._length_}s"
+        elif issubclass(ftype, ct.Array):
+            fmt += f"{ftype._length_}{_CODES[ftype._type_]}"
+        else:
+            fmt += _CODES[ftype]  # a nested struct or another type: KeyError, add it here
+    if ct.sizeof(ctype) > end:
+        fmt += f"{ct.sizeof(ctype) - end}x"
+    packed = struct.Struct(fmt)
+    assert packed.size == ct.sizeof(ctype), (ctype, fmt)
+    return packed
+
+
+# for packing and unpacking many entries fast (the field order of each is its C struct's)
+SERVICE4_KEY = layout(Service4Key)  # address, port, protocol, scope, slot
+SERVICE6_KEY = layout(Service6Key)
+SERVICE_VALUE = layout(ServiceValue)  # backend_id, count, service_id, flags, affinity_timeout
+BACKEND4 = layout(Backend4)  # address, port; also struct kpr_revnat4
+BACKEND6 = layout(Backend6)
+ID = struct.Struct("<I")  # a __u32 key: backend id, service id, ifindex, array index
+SLOT_BLOCK = layout(SlotBlock)  # backend_ids
+DEVICE = layout(Device, zero=("flags",))  # address4, address6 (flags zero)
+DEVICE_FLAGS = layout(Device)  # address4, address6, flags
+SOURCE_RANGE_KEY = layout(SourceRangeKey)  # prefixlen, service_id, address
+NODE_PORT_KEY = layout(NodePortKey)  # port, protocol
+CONFIG = layout(Config)  # node_netns_cookie
+LOCAL_ENDPOINT_KEY = layout(LocalEndpointKey)  # address (IPv4 in the first 4 bytes), family

@@ -54,7 +54,7 @@ BPF_PROG_TYPE_CGROUP_SOCK_ADDR = 18
 
 
 def prog_pin(pin_dir: Path, hook: Hook) -> Path:
-    return pin_dir / f"v{abi.ABI_VERSION}_prog_{hook.pin}"
+    return pin_dir / f"{abi.PIN_PREFIX}prog_{hook.pin}"
 
 
 RETIRED = "retired_"  # pins of maps set aside for new ones, removed after the swap
@@ -110,7 +110,7 @@ def compile_and_pin(pin_dir: Path, sizes: abi.MapSizes, source: str = "sock_lb.c
     host.require_kernel_headers()
     bcc = host.require_bcc()
     check_pinned_maps(pin_dir, sizes)
-    cflags = [f"-I{abi.BPF_DIR}", f'-DKPR_PIN_DIR="{pin_dir}"', *sizes.cflags()]
+    cflags = abi.cflags(pin_dir, sizes)
     try:
         return bcc.BPF(src_file=str(abi.BPF_DIR / source).encode(), cflags=cflags)
     except Exception as err:

@@ -61,7 +61,7 @@ Address = str | ipaddress.IPv4Address | ipaddress.IPv6Address | None
 
 def prog_pin(pin_dir: Path, direction: Direction | str) -> Path:
     name = direction if isinstance(direction, str) else direction.name
-    return pin_dir / f"v{abi.ABI_VERSION}_prog_tc_{name}"
+    return pin_dir / f"{abi.PIN_PREFIX}prog_tc_{name}"
 
 
 def compile_and_pin(pin_dir: Path, sizes: abi.MapSizes):
