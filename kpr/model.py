@@ -239,7 +239,7 @@ class Problem:
         return f"{where}: {what}" if where else what
 
 
-ServiceKey = tuple[str, str]  # (namespace, name)
+ServiceName = tuple[str, str]  # (namespace, name) of a Service, as Kubernetes names it
 
 
 @dataclass
@@ -251,7 +251,7 @@ class Snapshot:
     services: list[Service]
     slices: list[EndpointSlice]
     problems: list[Problem]
-    changed: set[ServiceKey] | None = None
+    changed: set[ServiceName] | None = None
     zone: str | None = None  # this node's topology.kubernetes.io/zone
     node_deleting: bool = False
     node_addresses: tuple[IPAddress, ...] = ()  # this Node's InternalIPs (status.addresses)
@@ -268,12 +268,12 @@ class Translation:
     frontends: dict[Frontend, FrontendState] = field(default_factory=dict)
     held: set[Frontend] = field(default_factory=set)
     problems: list[Problem] = field(default_factory=list)
-    owners: dict[Frontend, ServiceKey] = field(default_factory=dict)  # which Service has it
+    owners: dict[Frontend, ServiceName] = field(default_factory=dict)  # which Service has it
     # externalTrafficPolicy Local Services: (healthCheckNodePort, local ready endpoints)
-    health_checks: dict[ServiceKey, tuple[int, int]] = field(default_factory=dict)
+    health_checks: dict[ServiceName, tuple[int, int]] = field(default_factory=dict)
     # Service ports (per IP family) with a Local traffic policy, endpoints, and none on
     # this node: (internal, external) counts, kube-proxy's no_local_endpoints_total
-    no_local_endpoints: dict[ServiceKey, tuple[int, int]] = field(default_factory=dict)
+    no_local_endpoints: dict[ServiceName, tuple[int, int]] = field(default_factory=dict)
     # Services with external frontends: their endpoints' addresses on this node, whose
     # external flows keep the client address (the others' are masqueraded)
-    local_endpoints: dict[ServiceKey, frozenset[IPAddress]] = field(default_factory=dict)
+    local_endpoints: dict[ServiceName, frozenset[IPAddress]] = field(default_factory=dict)

@@ -36,7 +36,7 @@ from kpr.model import (
     NodeContext,
     ObjectRef,
     Problem,
-    ServiceKey,
+    ServiceName,
     Snapshot,
     Translation,
 )
@@ -145,7 +145,7 @@ class Agent:
         self.node = config.node
         # the merged desired state, and which Service owns each frontend
         self.desired = Translation()
-        self.frontends_of: dict[ServiceKey, set[Frontend]] = {}
+        self.frontends_of: dict[ServiceName, set[Frontend]] = {}
         self.source_problems: list[Problem] = []
         self._reported: set[str] = set()
         self.last_full = 0.0

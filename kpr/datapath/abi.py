@@ -404,14 +404,19 @@ def cflags(pin_dir: Path, sizes: MapSizes) -> list[str]:
 _CODES = {ct.c_uint8: "B", ct.c_uint16: "H", ct.c_uint32: "I", ct.c_uint64: "Q"}
 
 
-def layout(ctype: type[ct.Structure], zero: tuple[str, ...] = ()) -> struct.Struct:
+def layout(
+    ctype: type[ct.Structure], zero: tuple[str, ...] = (), before: str | None = None
+) -> struct.Struct:
     """A little-endian `struct` format of the same bytes as `ctype`: one value per field in
     C order (a byte array is one bytes value, another array one value per element), none
     for fields named pad* or listed in `zero` (packed as zero bytes), and zero bytes for
-    the gaps the C alignment leaves. Packing many entries with it is several times faster
-    than filling ctypes instances."""
+    the gaps the C alignment leaves. `before`: only the fields before that one (a key's
+    prefix). Packing many entries with it is several times faster than filling ctypes
+    instances."""
     fmt, end = "<", 0
     for name, ftype, *_ in ctype._fields_:
+        if name == before:
+            return struct.Struct(fmt)
         field = getattr(ctype, name)
         if field.offset > end:
             fmt += f"{field.offset - end}x"

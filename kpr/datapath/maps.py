@@ -11,7 +11,6 @@ import ctypes as ct
 import errno
 import logging
 import os
-import struct
 from collections import defaultdict
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
@@ -28,16 +27,17 @@ log = logging.getLogger(__name__)
 
 
 class ServiceEntry(NamedTuple):
-    """struct kpr_service, decoded."""
+    """struct kpr_service, decoded: its fields in its order (abi.SERVICE_VALUE's values)."""
 
     backend_id: int = 0
     count: int = 0
     service_id: int = 0
-    affinity_timeout: int = 0
     flags: int = 0
+    affinity_timeout: int = 0
 
 
-ServiceKey = tuple[Frontend, int]  # frontend, slot
+# a kpr_services4/6 key decoded (abi.Service4Key/6Key): frontend, slot (0: the master)
+ServiceKey = tuple[Frontend, int]
 Slots = dict[Frontend, dict[int, int]]  # frontend -> {slot: backend id}
 
 
@@ -243,7 +243,7 @@ class MemoryMaps:
         return self._write(
             self.services,
             {
-                (m.frontend, 0): ServiceEntry(0, m.count, m.service_id, m.affinity_timeout, m.flags)
+                (m.frontend, 0): ServiceEntry(0, m.count, m.service_id, m.flags, m.affinity_timeout)
                 for m in entries
             },
         )
@@ -337,8 +337,9 @@ _CONCURRENT = 1000
 # A service key ends with the slot: a frontend's keys share everything before it (its
 # prefix), packed once, and each slot's tail is packed once, here (up to the largest
 # frontend's count so far).
-_SLOT_TAIL = struct.Struct("<I")
-assert abi.SERVICE4_KEY.format.endswith("I") and abi.SERVICE6_KEY.format.endswith("I")
+_SLOT_TAIL = abi.ID
+for _key in (abi.Service4Key, abi.Service6Key):
+    assert _key.slot.offset + _SLOT_TAIL.size == ct.sizeof(_key)  # the last field, a __u32
 _SLOT_TAILS = [_SLOT_TAIL.pack(slot) for slot in range(1024)]
 
 
@@ -351,11 +352,13 @@ def _slot_tails(top: int) -> list[bytes]:
 
 # by the address's class, and int(): .version and .packed cost a Python call more each
 _SERVICE_PREFIXES = {
-    IPv4Address: ("kpr_services4", 4, struct.Struct(abi.SERVICE4_KEY.format[:-1]).pack),
-    IPv6Address: ("kpr_services6", 16, struct.Struct(abi.SERVICE6_KEY.format[:-1]).pack),
+    IPv4Address: ("kpr_services4", 4, abi.layout(abi.Service4Key, before="slot").pack),
+    IPv6Address: ("kpr_services6", 16, abi.layout(abi.Service6Key, before="slot").pack),
 }
 # A slot's value is a backend id and zeros.
-_SLOT_VALUE = struct.Struct(f"<I{abi.SERVICE_VALUE.size - 4}x")
+_SLOT_VALUE = abi.layout(
+    abi.ServiceValue, zero=("count", "service_id", "flags", "affinity_timeout")
+)
 
 
 def _key_prefix(frontend: Frontend) -> tuple[str, bytes]:
@@ -390,7 +393,7 @@ def _pack_masters(entries: list[Master]) -> dict[str, _Packed]:
         batch = out[name]
         batch.keys += prefix
         batch.keys += _SLOT_TAILS[0]
-        batch.values += pack_value(0, m.count, m.service_id, m.flags, m.affinity_timeout)
+        batch.values += pack_value(0, *m[1:])  # after the frontend: kpr_service's fields
         batch.labels.append((m.frontend, 0))
     return out
 
@@ -494,13 +497,7 @@ class BpfMaps:
             address_layout = abi.BACKEND4 if version == 4 else abi.BACKEND6
             frontends: dict[tuple, Frontend] = {}  # one object per frontend, not per slot
             for keys, values, _ in self._family("services", version).dump():
-                for (address, port, protocol, scope, slot), (
-                    bid,
-                    count,
-                    sid,
-                    flags,
-                    affinity,
-                ) in zip(
+                for (address, port, protocol, scope, slot), value in zip(
                     key_layout.iter_unpack(keys), abi.SERVICE_VALUE.iter_unpack(values), strict=True
                 ):
                     frontend = frontends.get((address, port, protocol, scope))
@@ -508,7 +505,7 @@ class BpfMaps:
                         name = protocols.get(protocol, str(protocol))
                         frontend = Frontend(ip_address(address), port, name, scope)
                         frontends[(address, port, protocol, scope)] = frontend
-                    services[(frontend, slot)] = ServiceEntry(bid, count, sid, affinity, flags)
+                    services[(frontend, slot)] = ServiceEntry(*value)
             for keys, values, _ in self._family("backends", version).dump():
                 for (bid,), (address, port) in zip(
                     abi.ID.iter_unpack(keys), address_layout.iter_unpack(values), strict=True

@@ -84,11 +84,14 @@ class ProgrammedState:
 
 
 class Master(NamedTuple):  # (a frozen dataclass builds slower, 10,000s of times)
+    """A master entry to write: its frontend (the key), then struct kpr_service's fields
+    in C order (backend_id is 0 in a master)."""
+
     frontend: Frontend
     count: int
     service_id: int
-    affinity_timeout: int
     flags: int = 0
+    affinity_timeout: int = 0
 
 
 @dataclass
@@ -200,7 +203,7 @@ def plan(
             for network in state.source_ranges:
                 out.range_writes[(service_id, network)] = frontend
             out.master_writes.append(
-                Master(frontend, len(wanted), service_id, state.affinity_timeout, flags)
+                Master(frontend, len(wanted), service_id, flags, state.affinity_timeout)
             )
             out.old_counts[frontend] = 0
             out.after[frontend] = ProgrammedService(
@@ -235,7 +238,7 @@ def plan(
             flags,
         ):
             out.master_writes.append(
-                Master(frontend, len(slots), service_id, state.affinity_timeout, flags)
+                Master(frontend, len(slots), service_id, flags, state.affinity_timeout)
             )
         if slots != old_slots or out.master_writes and out.master_writes[-1].frontend == frontend:
             out.after[frontend] = ProgrammedService(

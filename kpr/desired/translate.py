@@ -26,7 +26,7 @@ from kpr.model import (
     ObjectRef,
     Problem,
     Service,
-    ServiceKey,
+    ServiceName,
     ServicePort,
     Translation,
 )
@@ -269,10 +269,10 @@ def is_served(service: Service, node: NodeContext) -> bool:
 
 def owned_slices(
     services: Iterable[Service], slices: Iterable[EndpointSlice], problems: list[Problem]
-) -> dict[ServiceKey, list[EndpointSlice]]:
+) -> dict[ServiceName, list[EndpointSlice]]:
     """The IP slices of each Service, sorted by name; a slice naming no Service is a problem."""
     known = {(service.namespace, service.name) for service in services}
-    owned: dict[ServiceKey, list[EndpointSlice]] = defaultdict(list)
+    owned: dict[ServiceName, list[EndpointSlice]] = defaultdict(list)
     for endpoint_slice in sorted(slices, key=lambda s: (s.namespace, s.name)):
         if endpoint_slice.service_name is None:
             continue  # not managed for a Service

@@ -34,7 +34,7 @@ from kpr.model import (
     ObjectRef,
     Problem,
     Service,
-    ServiceKey,
+    ServiceName,
     Snapshot,
 )
 from kpr.sources.objects import ObjectError, node_is_deleting, parse_endpoint_slice, parse_service
@@ -245,18 +245,18 @@ class _Store:
     services: dict[str, dict[ObjectRef, Service]] = field(default_factory=dict)
     slices: dict[str, dict[ObjectRef, EndpointSlice]] = field(default_factory=dict)
     problems: dict[ObjectRef, Problem] = field(default_factory=dict)
-    changed: set[ServiceKey] = field(default_factory=set)
+    changed: set[ServiceName] = field(default_factory=set)
     everything_changed: bool = True
     zone: str | None = None
     node_deleting: bool = False
     node_addresses: tuple[IPAddress, ...] = ()  # InternalIPs
     # Service → its slices, keyed by (watcher, slice)
-    slices_of: dict[ServiceKey, dict[tuple[str, ObjectRef], EndpointSlice]] = field(
+    slices_of: dict[ServiceName, dict[tuple[str, ObjectRef], EndpointSlice]] = field(
         default_factory=dict
     )
 
 
-def _service_key(obj: Service | EndpointSlice) -> ServiceKey | None:
+def _service_key(obj: Service | EndpointSlice) -> ServiceName | None:
     if isinstance(obj, Service):
         return (obj.namespace, obj.name)
     return (obj.namespace, obj.service_name) if obj.service_name else None
@@ -475,7 +475,7 @@ class KubernetesSource:
             store = self._store
             if not self.synced or not (store.everything_changed or store.changed):
                 return None
-            changed: set[ServiceKey] | None = None
+            changed: set[ServiceName] | None = None
             if store.everything_changed:
                 services = {k: v for t in store.services.values() for k, v in t.items()}
                 slices = {k: v for t in store.slices.values() for k, v in t.items()}
