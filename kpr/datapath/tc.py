@@ -15,7 +15,6 @@ namespace (the agent may run under `ip netns exec`).
 
 from __future__ import annotations
 
-import ctypes as ct
 import dataclasses
 import errno
 import ipaddress
@@ -331,7 +330,7 @@ def write_devices(
     pin directory, or the opened map."""
     spec = abi.MAPS["kpr_devices"]
     owned = not isinstance(target, bpfsys.PinnedMap)
-    table = bpfsys.PinnedMap.open(target / spec.pin, ct.c_uint32, abi.Device) if owned else target
+    table = bpfsys.PinnedMap.open(target / spec.pin, spec.key, spec.value) if owned else target
     try:
         for ifindex, (ipv4, ipv6, *flags) in devices.items():
             value = abi.DEVICE_FLAGS.pack(_packed(ipv4, 4), _packed(ipv6, 6), sum(flags))
