@@ -401,7 +401,7 @@ def cflags(pin_dir: Path, sizes: MapSizes) -> list[str]:
 
 # --- struct-module formats computed from the ctypes layouts -----------------------
 
-_CODES = {ct.c_uint8: "B", ct.c_uint16: "H", ct.c_uint32: "I", ct.c_uint64: "Q"}
+_CODES: dict[type, str] = {ct.c_uint8: "B", ct.c_uint16: "H", ct.c_uint32: "I", ct.c_uint64: "Q"}
 
 
 def layout(
@@ -426,7 +426,7 @@ def layout(
         elif issubclass(ftype, ct.Array) and ftype._type_ is ct.c_uint8:
             fmt += f"{ftype._length_}s"
         elif issubclass(ftype, ct.Array):
-            fmt += f"{ftype._length_}{_CODES[ftype._type_]}"
+            fmt += f"{ftype._length_}{_CODES[ftype._type_]}"  # type: ignore[index]
         else:
             fmt += _CODES[ftype]  # a nested struct or another type: KeyError, add it here
     if ct.sizeof(ctype) > end:
