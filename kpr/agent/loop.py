@@ -16,6 +16,7 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from ipaddress import IPv6Address
 from pathlib import Path
@@ -164,7 +165,10 @@ class Agent:
         self.devices = DeviceChoice(config.devices, config.reply_devices)
         self.device_watch: DeviceWatch | None = None
         self.node_addresses: tuple = ()  # the Node's InternalIPs, from the source
-        self.runner = SyncRunner(config.min_sync_period, config.sync_period)  # run() makes anew
+        # scheduling (the runner, the run state's writes) is on this clock; reported times
+        # (last sync, queued) stay wall clock
+        self.clock: Callable[[], float] = time.monotonic
+        self.runner = SyncRunner(config.min_sync_period, config.sync_period, self.clock)
 
     def start(self) -> None:
         """Compile and pin the programs, open the pinned maps, adopt their content. The
@@ -610,7 +614,7 @@ class Agent:
                 self.state.node = node
                 self.state.save()
 
-        self._saved_at = time.monotonic()
+        self._saved_at = self.clock()
         if wait:
             write()
         else:
@@ -677,7 +681,7 @@ class Agent:
         sync at least once per sync_period (kube-proxy's bounded-frequency runner,
         `runner.SyncRunner`). The source accumulates changes while the runner holds back."""
         cfg = self.config
-        self.runner = SyncRunner(cfg.min_sync_period, cfg.sync_period)
+        self.runner = SyncRunner(cfg.min_sync_period, cfg.sync_period, self.clock)
         self.runner.request()  # the first poll at once: a source may have its state already
 
         def sync(kind: Kind) -> Ran | None:
@@ -707,7 +711,7 @@ class Agent:
         def idle(quiet: bool) -> None:
             if self.stood_down():
                 return
-            if quiet and self._unsaved is not None and time.monotonic() - self._saved_at > 5.0:
+            if quiet and self._unsaved is not None and self.clock() - self._saved_at > 5.0:
                 self._save_state()
             self._save_source_status()
             watch = self.device_watch

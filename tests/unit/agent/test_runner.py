@@ -252,3 +252,88 @@ def test_next_action(state, now, expected):
 def test_periods_out_of_order_are_refused(minimum, period):
     with pytest.raises(ValueError, match="min_sync_period"):
         SyncRunner(minimum, period)
+
+
+# --- Agent.run on the runner: the loop the agent really runs, its syncs faked ---------
+
+
+class FeedSource(Source):
+    """A Source for Agent.run: poll() hands over Snapshots naming the changes' times."""
+
+    description = "fake"
+
+    def start(self) -> None:
+        pass
+
+    def stop(self) -> None:
+        pass
+
+    def status(self) -> dict:
+        return {}
+
+    def resync(self) -> None:
+        pass
+
+    def poll(self):  # type: ignore[override]
+        from kpr.model import Snapshot
+
+        changes = super().poll()
+        if changes is None:
+            return None
+        first, self.listed = not getattr(self, "listed", False), True
+        changed = None if first else {("default", str(t)) for t in changes}
+        return Snapshot([], [], [], changed=changed)
+
+
+def agent_run(tmp_path, changes: list[float], until: float, removed_at: float = math.inf):
+    from kpr.agent import loop, runstate
+
+    clock = Clock()
+    source = FeedSource(clock, changes)
+    config = loop.AgentConfig(pin_dir=tmp_path, min_sync_period=1.0, sync_period=30.0)
+    agent = loop.Agent(source, config)
+    agent.clock = clock
+    agent.state = runstate.RunState(str(tmp_path), "/sys/fs/cgroup", source.description)
+    syncs: list[tuple[float, bool, int]] = []
+    queued: list[float] = []
+
+    def sync(snapshot, full=False):
+        changed = -1 if snapshot is None or snapshot.changed is None else len(snapshot.changed)
+        syncs.append((clock.now, full, changed))
+        agent.last_sync = clock.now + 1  # (wall clock there: only never-synced is read)
+        return loop.SyncResult(full=full, writes=0, seconds=0.0, failed=0, services_changed=0)
+
+    class Observer:
+        def queued(self, when: float) -> None:
+            queued.append(clock.now)
+
+        def synced(self, result) -> None:
+            pass
+
+    agent.sync = sync  # type: ignore[method-assign]
+    agent.observers.append(Observer())
+    agent.stood_down = lambda: clock.now >= removed_at  # type: ignore[method-assign]
+    agent.run(Stop(clock, until))  # type: ignore[arg-type]
+    return syncs, queued
+
+
+def test_agent_run_syncs_the_first_state_full_then_changes_bounded_then_full_periodically(
+    tmp_path,
+):
+    syncs, queued = agent_run(tmp_path, changes=[0.0, 5.0, 5.2, 5.9, 40.0], until=61)
+    assert syncs == [
+        (0.0, True, -1),  # the source's state: a full sync
+        (5.0, False, 1),  # after a quiet spell: at once
+        (6.0, False, 2),  # 5.2 and 5.9 held to 5.0 + min_sync_period, in one sync
+        (30.0, True, -1),  # sync_period after the first
+        (40.0, False, 1),
+        (60.0, True, -1),
+    ]
+    # observers are told of each wake-up by a change; while one is held (5.2 to 6.0) the
+    # source is not waited on
+    assert {5.0, 5.2, 40.0} <= set(queued) and 5.9 not in queued
+
+
+def test_agent_run_syncs_nothing_once_stood_down(tmp_path):
+    syncs, _ = agent_run(tmp_path, changes=[0.0, 5.0, 50.0], until=100, removed_at=10)
+    assert syncs == [(0.0, True, -1), (5.0, False, 1)]
