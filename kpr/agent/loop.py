@@ -16,6 +16,7 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from ipaddress import IPv6Address
 from pathlib import Path
@@ -23,6 +24,7 @@ from typing import Protocol
 
 from kpr import __version__
 from kpr.agent import conflicts, runstate
+from kpr.agent.runner import Kind, Ran, SyncRunner
 from kpr.datapath import abi, loader, sockets, tc
 from kpr.datapath.maps import BpfMaps, execute, slot_blocks
 from kpr.datapath.plan import apply_plan, plan
@@ -163,6 +165,10 @@ class Agent:
         self.devices = DeviceChoice(config.devices, config.reply_devices)
         self.device_watch: DeviceWatch | None = None
         self.node_addresses: tuple = ()  # the Node's InternalIPs, from the source
+        # scheduling (the runner, the run state's writes) is on this clock; reported times
+        # (last sync, queued) stay wall clock
+        self.clock: Callable[[], float] = time.monotonic
+        self.runner = SyncRunner(config.min_sync_period, config.sync_period, self.clock)
 
     def start(self) -> None:
         """Compile and pin the programs, open the pinned maps, adopt their content. The
@@ -608,7 +614,7 @@ class Agent:
                 self.state.node = node
                 self.state.save()
 
-        self._saved_at = time.monotonic()
+        self._saved_at = self.clock()
         if wait:
             write()
         else:
@@ -663,47 +669,62 @@ class Agent:
             )
         return self._removed
 
-    def _sync_unless_removed(self, snapshot: Snapshot | None, full: bool) -> None:
+    def _sync_unless_removed(self, snapshot: Snapshot | None, full: bool) -> SyncResult | None:
         # the lock: a cleanup waits for a sync under way, and a sync for a cleanup
         with runstate.sync_lock(self.config.pin_dir):
             if not self.stood_down():
-                self.sync(snapshot, full)
+                return self.sync(snapshot, full)
+        return None
 
     def run(self, stop: threading.Event) -> None:
         """Sync until `stop` is set: changes at most once per min_sync_period, a full
-        sync at least once per sync_period (kube-proxy's bounded-frequency runner).
-        The source accumulates changes while the runner holds back."""
+        sync at least once per sync_period (kube-proxy's bounded-frequency runner,
+        `runner.SyncRunner`). The source accumulates changes while the runner holds back."""
         cfg = self.config
-        self.source.start()
-        while not stop.is_set():
+        self.runner = SyncRunner(cfg.min_sync_period, cfg.sync_period, self.clock)
+        self.runner.request()  # the first poll at once: a source may have its state already
+
+        def sync(kind: Kind) -> Ran | None:
+            if self.stood_down():
+                return None
+            snapshot = self.source.poll()  # None until the source has its first full state
+            if snapshot is None and (kind is Kind.PARTIAL or self.last_sync == 0):
+                return None  # nothing changed; and never a full sync before the first state
+            full = kind is Kind.FULL or self.last_sync == 0
+            result = self._sync_unless_removed(snapshot, full=full)
+            if kind is Kind.FULL and self.device_watch is not None:
+                self.device_watch.changed.set()  # and the devices, should an event be lost
+            if result is None:
+                return None
+            return Ran(full=result.full, failed=result.failed > 0)
+
+        def wait(timeout: float) -> bool:
             if self.stood_down():
                 stop.wait(1.0)
-                continue
-            snapshot = self.source.poll()  # None until the source has its first full state
-            if snapshot is not None:
-                self._sync_unless_removed(snapshot, full=self.last_sync == 0)
-                continue
-            until_full = self.last_full + cfg.sync_period - time.time()
-            if self.source.wait(min(max(until_full, 0.0), 1.0)):
-                for observer in self.observers:
-                    observer.queued(time.time())
-                hold = self.last_sync + cfg.min_sync_period - time.time()
-                if hold > 0:
-                    stop.wait(hold)
-            elif self.last_sync and until_full <= 0:
-                self._sync_unless_removed(None, full=True)
-                if self.device_watch is not None:
-                    self.device_watch.changed.set()  # and the devices, should an event be lost
-            elif self._unsaved is not None and time.monotonic() - self._saved_at > 5.0:
+                return False
+            if not self.source.wait(timeout):
+                return False
+            for observer in self.observers:
+                observer.queued(time.time())
+            return True
+
+        def idle(quiet: bool) -> None:
+            if self.stood_down():
+                return
+            if quiet and self._unsaved is not None and self.clock() - self._saved_at > 5.0:
                 self._save_state()
             self._save_source_status()
             watch = self.device_watch
             if watch is not None and watch.changed.is_set():
                 watch.changed.clear()
                 try:
-                    self.follow_devices()
+                    if self.follow_devices():
+                        self.runner.request()  # a resync may be waiting in the source
                 except Exception as err:  # the devices are read again at the next event
                     log.error("could not follow the devices' change: %s", err)
+
+        self.source.start()
+        self.runner.run(stop, sync, wait, idle)
         if self.device_watch is not None:
             self.device_watch.close()
         self.source.stop()

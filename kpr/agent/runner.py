@@ -1,0 +1,145 @@
+"""When the agent syncs: kube-proxy's bounded-frequency runner, on a monotonic clock.
+
+- A change is synced at once after a quiet spell, but at most once per `min_sync_period`:
+  a change requested within `min_sync_period` of the last sync waits until
+  last sync + `min_sync_period`, and every change requested meanwhile goes with it (one sync).
+  `min_sync_period` 0: every change at once.
+- A full sync (the maps read again, drift repaired) at most `sync_period` after the last
+  full one, once a first full sync was made (a full sync of nothing would empty the maps).
+  A full sync takes the changes pending with it.
+- A sync that failed (map writes refused) is retried as a full sync at the latest
+  `retry_period` (default `sync_period`) after it: what kpr always did, failed frontends
+  keeping their previous backends until the next full sync, and what kube-proxy's
+  proxiers do (`RetryAfter(syncPeriod)`, with the next sync a full one).
+
+The decisions (`next_action`) are pure functions of the state and `now`; only `run` waits,
+through the functions it is given, so tests drive it with a fake clock.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+
+class Kind(enum.Enum):
+    PARTIAL = "partial"  # the changes requested
+    FULL = "full"  # everything, the maps read again
+
+
+@dataclass(frozen=True)
+class Ran:
+    """What a sync did: the runner's record of it."""
+
+    full: bool  # a partial request may turn into a full sync (the first, a relist)
+    failed: bool = False  # some writes failed: retried by a full sync
+
+
+class Stop(Protocol):
+    """threading.Event, as far as the runner uses it."""
+
+    def is_set(self) -> bool: ...
+    def wait(self, timeout: float | None = None) -> bool: ...
+
+
+class SyncRunner:
+    def __init__(
+        self,
+        min_sync_period: float,
+        sync_period: float,
+        clock: Callable[[], float] = time.monotonic,
+        retry_period: float | None = None,
+    ) -> None:
+        if min_sync_period < 0 or sync_period <= 0 or min_sync_period > sync_period:
+            raise ValueError(
+                f"need 0 <= min_sync_period ({min_sync_period}) <= sync_period ({sync_period})"
+            )
+        self.min_sync_period = min_sync_period
+        self.sync_period = sync_period
+        self.retry_period = sync_period if retry_period is None else retry_period
+        self.clock = clock
+        self.pending = False  # a change requested, not synced yet
+        self.last_sync: float | None = None  # on `clock`
+        self.last_full: float | None = None
+        self.retry_at: float | None = None
+
+    def request(self) -> None:
+        """Something changed: sync it (coalesced with every other request until then)."""
+        self.pending = True
+
+    def retry_after(self, seconds: float, now: float | None = None) -> None:
+        """A full sync no later than `seconds` from now (the earliest such request wins)."""
+        at = (self.clock() if now is None else now) + seconds
+        if self.retry_at is None or at < self.retry_at:
+            self.retry_at = at
+
+    def _full_at(self) -> float:
+        if self.last_full is None:
+            return math.inf  # no periodic full sync before the first one
+        at = self.last_full + self.sync_period
+        return at if self.retry_at is None else min(at, self.retry_at)
+
+    def _partial_at(self) -> float:
+        if not self.pending:
+            return math.inf
+        if self.last_sync is None:
+            return -math.inf
+        return self.last_sync + self.min_sync_period
+
+    def next_action(self, now: float) -> tuple[Kind | None, float]:
+        """What to do at `now`: a sync of this kind (wait 0), or nothing for the seconds
+        returned (math.inf: until a request)."""
+        full_at = self._full_at()
+        if now >= full_at:
+            return Kind.FULL, 0.0
+        partial_at = self._partial_at()
+        if now >= partial_at:
+            return Kind.PARTIAL, 0.0
+        return None, min(full_at, partial_at) - now
+
+    def record(self, kind: Kind, ran: Ran | None, now: float) -> None:
+        """A sync of `kind` finished at `now`; `ran` None: there was nothing to sync (no
+        state from the source yet, or the agent stood down)."""
+        self.pending = False
+        if ran is None:
+            if kind is Kind.FULL:
+                self.last_full = now  # not again at once: at the next period
+                self.retry_at = None
+            return
+        self.last_sync = now
+        if ran.full:
+            self.last_full = now
+            self.retry_at = None
+        if ran.failed:
+            self.retry_after(self.retry_period, now)
+
+    def run(
+        self,
+        stop: Stop,
+        sync: Callable[[Kind], Ran | None],
+        wait: Callable[[float], bool],
+        idle: Callable[[bool], None] | None = None,
+        tick: float = 1.0,
+    ) -> None:
+        """Until `stop` is set: `sync` when `next_action` says so; otherwise `wait` (for a
+        change, True, or the timeout: at most `tick`, so `idle` runs that often). While a
+        change is held back the loop sleeps on `stop` instead: the source keeps
+        accumulating. `idle(quiet)` after every turn, `quiet` when `wait` timed out."""
+        while not stop.is_set():
+            kind, wait_s = self.next_action(self.clock())
+            quiet = False
+            if kind is not None:
+                ran = sync(kind)
+                self.record(kind, ran, self.clock())
+            elif self.pending:
+                stop.wait(wait_s)
+            elif wait(max(0.0, min(wait_s, tick))):
+                self.request()
+            else:
+                quiet = True
+            if idle is not None and not stop.is_set():
+                idle(quiet)
