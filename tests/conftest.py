@@ -26,7 +26,7 @@ def lab():
 
 @pytest.fixture
 def api():
-    """The test API server (tests/apiserver.py), bookmarks every half second."""
+    """The test API server (tests/support/apiserver.py), bookmarks every half second."""
     from tests.support.apiserver import TestApiServer
 
     with TestApiServer(bookmark_interval=0.5) as server:

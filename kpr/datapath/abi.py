@@ -1,6 +1,6 @@
 """The Python mirror of kpr/bpf/kpr.h: struct layouts, map names, constants.
 
-kpr/bpf/kpr.h is the source of truth; tests/test_abi.py checks these ctypes
+kpr/bpf/kpr.h is the source of truth; tests/kernel/test_abi.py checks these ctypes
 layouts against the types BCC compiles from it. Change both together.
 """
 
@@ -371,7 +371,7 @@ class MapSizes:
 
 
 # struct-module formats of the same layouts, for packing many entries fast
-# (tests/test_abi.py checks each against its ctypes mirror).
+# (tests/unit/datapath/test_abi.py checks each against its ctypes mirror).
 SERVICE4_KEY = struct.Struct("<4sHBBI")  # address, port, protocol, scope, slot
 SERVICE6_KEY = struct.Struct("<16sHBBI")
 SERVICE_VALUE = struct.Struct("<IIIIIxxxx")  # backend_id, count, service_id, flags, affinity

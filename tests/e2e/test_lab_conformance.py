@@ -407,7 +407,7 @@ def test_a_real_dry_run_report_merges_into_lab_limits_and_kpr_failures(e2e, tmp_
     assert set(verdicts.values()) == {"passed"}
 
 
-# tests/golden/e2e-report-services.json: ginkgo's JSON report of a real e2e.test run (trimmed to
+# tests/e2e/golden/e2e-report-services.json: ginkgo's JSON report of a real e2e.test run (trimmed to
 # five specs, stack traces and output dropped) against the lab control plane with two Nodes and
 # no kubelet, focused on three Services [Conformance] tests with --ginkgo.timeout=3m: the
 # API-only test passed, the one that needs a running pod was still waiting when the suite's

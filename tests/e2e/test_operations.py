@@ -34,7 +34,7 @@ import kpr
 from tests.support.paths import REPO
 
 DOC = REPO / "docs" / "operations.md"
-# The last commit with 16-bit slots (tests/test_agent.py), plus the fix without which no
+# The last commit with 16-bit slots (tests/kernel/test_agent.py), plus the fix without which no
 # kpr of that time synced in a pod (8f66e29: --master kept), labelled 0.0.9 to be told apart.
 PREVIOUS = "dc47974078eb68f6314e676cf571bca02e04f357"
 PREVIOUS_FIX = "8f66e292f26b96766285e0a0c89b03408148f109"

@@ -3,7 +3,7 @@ under a watch that then resumes (410 Gone, kpr lists again), watch connections c
 Nothing is lost, the maps converge, and a client connecting to a Service that does not change
 sees no failed connection throughout.
 
-tests/apiserver.py keeps the faults a real API server cannot be made to produce on demand
+tests/support/apiserver.py keeps the faults a real API server cannot be made to produce on demand
 (dropped watches without a restart, expired history at a chosen moment, bookmarks at a chosen
 rate, malformed objects the real one refuses to store)."""
 

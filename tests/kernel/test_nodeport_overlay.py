@@ -4,7 +4,7 @@
 kube-proxy masquerades every external packet to an externalTrafficPolicy Cluster Service
 (KUBE-MARK-MASQ), to the address of the device it leaves by (MASQUERADE): the other node's
 pod answers this node, whatever carries the pod network. The two-node lab of
-tests/test_nodeport.py, with the routes to the other node's pods over vxlan0 or eth1; the
+tests/kernel/test_nodeport.py, with the routes to the other node's pods over vxlan0 or eth1; the
 agents run with `--devices eth0`, as there.
 """
 

@@ -1,5 +1,5 @@
 """kpr/bpf/nodeport.c packet by packet: crafted frames through BPF_PROG_TEST_RUN in a
-throwaway network namespace (tests/tc_harness.py), checked with scapy and with
+throwaway network namespace (tests/support/tc_harness.py), checked with scapy and with
 the checksums a receiver computes.
 
 Return values: TC_ACT_UNSPEC (-1) is "not translated or translated for the kernel

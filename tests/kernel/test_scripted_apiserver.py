@@ -1,4 +1,4 @@
-"""`kpr run` against tests/apiserver.py, for the faults a real API server cannot be made to
+"""`kpr run` against tests/support/apiserver.py, for the faults a real API server cannot be made to
 produce at a chosen moment: watches dropped while the server stays up and its history
 expired at once (so the very next resume gets 410 Gone), and objects the real server would
 refuse to store (a Service with an invalid ClusterIP). Everything else kpr does with an API
