@@ -3,7 +3,6 @@ skips with the reason when it is missing, and cleans up even on failure."""
 
 from __future__ import annotations
 
-import os
 import shutil
 import subprocess
 import uuid
@@ -12,25 +11,13 @@ from pathlib import Path
 import pytest
 
 from kpr.node import host
-
-
-def _skip_unless_kernel_ready() -> None:
-    if os.geteuid() != 0:
-        pytest.skip("needs root: loads BPF programs and makes network namespaces")
-    try:
-        host.require_bcc()
-        host.require_kernel_headers()
-        host.cgroup2_root()
-    except host.SetupError as err:
-        pytest.skip(str(err))
-    if shutil.which("ip") is None:
-        pytest.skip("needs iproute2's `ip` for network namespaces")
+from tests.support.kernel import skip_unless_kernel_ready
 
 
 @pytest.fixture(scope="module")
 def lab():
     """A node netns with three pods and a client cgroup, shared by a module's tests."""
-    _skip_unless_kernel_ready()
+    skip_unless_kernel_ready()
     from kpr.lab.netns import Lab
 
     with Lab(pods=3) as made:
@@ -39,8 +26,8 @@ def lab():
 
 @pytest.fixture
 def api():
-    """The test API server (tests/apiserver.py), bookmarks every half second."""
-    from tests.apiserver import TestApiServer
+    """The test API server (tests/support/apiserver.py), bookmarks every half second."""
+    from tests.support.apiserver import TestApiServer
 
     with TestApiServer(bookmark_interval=0.5) as server:
         yield server
@@ -49,7 +36,7 @@ def api():
 @pytest.fixture
 def pin_dir():
     """A pin directory of this test's own on bpffs, removed afterwards."""
-    _skip_unless_kernel_ready()
+    skip_unless_kernel_ready()
     path = Path("/sys/fs/bpf") / f"kpr-test-{uuid.uuid4().hex[:8]}"
     host.ensure_bpffs(path)
     yield path
@@ -63,7 +50,7 @@ def pin_dir():
 def cgroup():
     """A child cgroup v2 directory; never the root, whose hooks would rewrite the
     whole machine's connections."""
-    _skip_unless_kernel_ready()
+    skip_unless_kernel_ready()
     path = host.cgroup2_root() / f"kpr-test-{uuid.uuid4().hex[:8]}"
     path.mkdir()
     yield path
@@ -78,7 +65,7 @@ def cgroup():
 @pytest.fixture(scope="session")
 def compiled_bpf(tmp_path_factory):
     """The socket LB program compiled by BCC into a throwaway pin directory."""
-    _skip_unless_kernel_ready()
+    skip_unless_kernel_ready()
     from kpr.datapath import abi, loader
 
     path = Path("/sys/fs/bpf") / f"kpr-abi-{uuid.uuid4().hex[:8]}"
@@ -105,10 +92,26 @@ def kube_bin():
 def control_plane(kube_bin, tmp_path_factory, request):
     """etcd, kube-apiserver, kube-controller-manager and kube-scheduler for a module's tests
     (with the module's CONTROLLER_MANAGER_ARGS, if it has any)."""
-    _skip_unless_kernel_ready()  # its advertise address lives in a network namespace
+    skip_unless_kernel_ready()  # its advertise address lives in a network namespace
     from kpr.lab.kube.controlplane import ControlPlane
 
     extra = list(getattr(request.module, "CONTROLLER_MANAGER_ARGS", []))
     directory = tmp_path_factory.mktemp("kube")
     with ControlPlane(kube_bin, directory, extra_controller_manager_args=extra) as plane:
         yield plane
+
+
+_TESTS = Path(__file__).resolve().parent
+
+
+def pytest_collection_modifyitems(config, items):
+    """Markers by directory: tests/kernel needs root, BPF and network namespaces; tests/e2e
+    needs those and runs the lab, real Kubernetes components, the bench or the soak, so
+    `pytest -m "not kernel"` runs tests/unit alone."""
+    for item in items:
+        parts = Path(str(item.path)).resolve().relative_to(_TESTS).parts
+        if parts[0] == "kernel":
+            item.add_marker(pytest.mark.kernel)
+        elif parts[0] == "e2e":
+            item.add_marker(pytest.mark.kernel)
+            item.add_marker(pytest.mark.slow)

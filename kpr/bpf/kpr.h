@@ -1,7 +1,7 @@
 /* kpr: the kernel/user ABI: the map layouts and the maps.
  *
  * kpr/datapath/abi.py mirrors these structs with ctypes; change both in the
- * same commit (tests/test_abi.py compares them with what BCC compiles).
+ * same commit (tests/kernel/test_abi.py compares them with what BCC compiles).
  *
  * Every constant and map size is defined in kpr/datapath/abi.py only and
  * handed to the compile as -D flags by kpr/datapath/loader.py (abi.cflags):
@@ -60,7 +60,7 @@
 /* `slot` (and kpr_affinity's) was a __u16 and its zero padding while a frontend
  * had at most 4,096 backends: on a little-endian machine the bytes of every slot
  * below 65,536 are the same, so the maps pinned by that layout are read and
- * written by both, and an upgrade keeps them (tests/test_agent.py). */
+ * written by both, and an upgrade keeps them (tests/kernel/test_agent.py). */
 struct kpr_service4_key {
 	__u8 address[4];  /* ClusterIP, node address, LoadBalancer IP or external IP */
 	__u16 port;

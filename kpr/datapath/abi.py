@@ -3,7 +3,7 @@
 The constants and map sizes are defined here only: `cflags()` and `MapSizes.cflags()`
 hand them to the C compile as -D flags (kpr/bpf/kpr.h defines none of them). The
 struct layouts are written twice, as C in kpr/bpf/kpr.h and as ctypes here;
-tests/test_abi.py checks the ctypes layouts against the types BCC compiles, so
+tests/kernel/test_abi.py checks the ctypes layouts against the types BCC compiles, so
 change both together. The `struct` formats used to pack many entries fast are
 computed from the ctypes classes (`layout`), never written by hand.
 """

@@ -113,7 +113,7 @@ class Skip:
 # (the framework's reason is reported too), so they need no entry here. The selection has no
 # cloud load balancer ([sig-network] LoadBalancers [Feature:LoadBalancer]) and no several-zone
 # test (Topology Hints, Traffic Distribution): their names do not match it, so they need none
-# either (tests/test_lab_conformance.py checks that against the binary's list).
+# either (tests/e2e/test_lab_conformance.py checks that against the binary's list).
 SKIPS = (
     Skip(
         "no SCTP in the kernel",

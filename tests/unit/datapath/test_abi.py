@@ -1,0 +1,86 @@
+"""kpr/datapath/abi.py must describe the same bytes as kpr/bpf/kpr.h."""
+
+from __future__ import annotations
+
+import ctypes as ct
+import re
+import struct
+
+from kpr import model
+from kpr.datapath import abi
+from kpr.datapath.loader import HOOKS
+
+
+def test_every_hook_function_exists_in_the_program_source():
+    source = (abi.BPF_DIR / "sock_lb.c").read_text()
+    for hook in HOOKS:
+        assert f"int {hook.function}(struct bpf_sock_addr *ctx)" in source
+
+
+def test_the_header_defines_no_constant_of_abi_py_and_uses_each():
+    """kpr.h and the programs take every constant and size from abi.cflags: none is defined
+    in C too (a second definition could drift), and none is passed that C does not use."""
+    sources = {p.name: p.read_text() for p in sorted(abi.BPF_DIR.glob("*.[ch]"))}
+    passed = set(abi.constants()) | {flag[2:].split("=")[0] for flag in abi.MapSizes().cflags()}
+    defined = {
+        name for text in sources.values() for name in re.findall(r"#define\s+(KPR_\w+)", text)
+    }
+    used = {name for text in sources.values() for name in re.findall(r"\bKPR_\w+\b", text)}
+    assert passed & defined == set()
+    assert passed - used == set()
+    # a KPR_* name in C that is neither passed nor defined in C: a constant C lost
+    enum_members = {
+        name
+        for text in sources.values()
+        for name in re.findall(r"^\s*(KPR_\w+)\s*[=,]", text, re.M)
+    }
+    unknown = used - passed - defined - enum_members - {"KPR_PIN_DIR"}
+    assert {name for name in unknown if not name.endswith("_")} == set()
+
+
+def test_constants_handed_to_the_compile_are_abi_py_s():
+    flags = abi.cflags(abi.BPF_DIR, abi.MapSizes())
+    assert f"-DKPR_ABI_VERSION={abi.ABI_VERSION}" in flags
+    assert f"-DKPR_BLOCK_SLOTS={abi.BLOCK_SLOTS}" in flags
+    assert f"-DKPR_SCOPE_SOCKET={model.SOCKET}" in flags
+    assert f"-DKPR_SCOPE_EXTERNAL={model.EXTERNAL}" in flags
+    assert f"-DKPR_SVC_F_SOURCE_RANGES={abi.SVC_F_SOURCE_RANGES}" in flags
+    assert f"-DKPR_STAT_MAX={abi.STAT_MAX}" in flags
+    assert f"-DKPR_SERVICES_MAX={abi.MapSizes().services}" in flags
+    assert f"v{abi.ABI_VERSION}_" == abi.PIN_PREFIX
+    assert all(spec.pin.startswith(abi.PIN_PREFIX) for spec in abi.MAPS.values())
+    header = (abi.BPF_DIR / "kpr.h").read_text()
+    assert '#define KPR_PIN(name) KPR_PIN_DIR "/v" KPR_STR(KPR_ABI_VERSION) "_" name' in header
+
+
+def test_32_bit_slots_are_the_bytes_of_the_earlier_16_bit_slots_and_padding():
+    """The service keys and affinity values had a 16-bit slot and zero padding: the maps
+    pinned by that layout stay usable as they are (same sizes, same bytes)."""
+    old4, old6 = struct.Struct("<4sHBBHxx"), struct.Struct("<16sHBBHxx")
+    assert (old4.size, old6.size) == (abi.SERVICE4_KEY.size, abi.SERVICE6_KEY.size)
+    for slot in (0, 1, 4096, 4097, 65535):
+        v4, v6 = bytes([10, 96, 0, 10]), bytes(range(16))
+        assert abi.SERVICE4_KEY.pack(v4, 80, 6, 1, slot) == old4.pack(v4, 80, 6, 1, slot)
+        assert abi.SERVICE6_KEY.pack(v6, 80, 17, 0, slot) == old6.pack(v6, 80, 17, 0, slot)
+        new = bytes(abi.Affinity(last_used_ns=5, backend_id=7, slot=slot))
+        assert new == struct.pack("<QIHxx", 5, 7, slot)
+    assert ct.sizeof(abi.Affinity) == struct.calcsize("<QIHxx")
+
+
+def test_struct_formats_pack_the_same_bytes_as_the_ctypes_mirror():
+    v4, v6 = bytes([10, 96, 0, 10]), bytes(range(16))
+    key4 = abi.Service4Key(address=(ct.c_uint8 * 4)(*v4), port=80, protocol=6, scope=1, slot=3)
+    assert abi.SERVICE4_KEY.pack(v4, 80, 6, 1, 3) == bytes(key4)
+    key6 = abi.Service6Key(address=(ct.c_uint8 * 16)(*v6), port=53, protocol=17, slot=1)
+    assert abi.SERVICE6_KEY.pack(v6, 53, 17, 0, 1) == bytes(key6)
+    value = abi.ServiceValue(backend_id=7, count=2, service_id=9, flags=1, affinity_timeout=60)
+    assert abi.SERVICE_VALUE.pack(7, 2, 9, 1, 60) == bytes(value)
+    device = abi.Device((ct.c_uint8 * 4)(*v4), (ct.c_uint8 * 16)(*v6))
+    assert abi.DEVICE.pack(v4, v6) == bytes(device)
+    key = abi.SourceRangeKey(56, 9, (ct.c_uint8 * 16)(*v4))
+    assert abi.SOURCE_RANGE_KEY.pack(56, 9, v4) == bytes(key)
+    assert abi.NODE_PORT_KEY.pack(30080, 6) == bytes(abi.NodePortKey(30080, 6))
+    assert abi.BACKEND4.pack(v4, 8080) == bytes(abi.Backend4((ct.c_uint8 * 4)(*v4), 8080))
+    assert abi.BACKEND6.pack(v6, 8080) == bytes(abi.Backend6((ct.c_uint8 * 16)(*v6), 8080))
+    ids = list(range(1, abi.BLOCK_SLOTS + 1))
+    assert abi.SLOT_BLOCK.pack(*ids) == bytes(abi.SlotBlock((ct.c_uint32 * abi.BLOCK_SLOTS)(*ids)))

@@ -1,0 +1,134 @@
+"""The Kubernetes source's handling of this Node, fed as its watchers feed it (no server)."""
+
+from __future__ import annotations
+
+import pytest
+
+from kpr.sources.kubernetes import KubernetesSource, api_client
+from tests.support.kube import endpoint_slice, service
+
+
+def node(rv: str, zone: str | None = "zone-a", **extra: object) -> dict:
+    metadata: dict = {"name": "node-1", "resourceVersion": rv}
+    if zone:
+        metadata["labels"] = {"topology.kubernetes.io/zone": zone}
+    metadata.update(extra.pop("metadata", {}))
+    return {"apiVersion": "v1", "kind": "Node", "metadata": metadata, **extra}
+
+
+def heartbeat(rv: str, **extra: object) -> dict:
+    """What a kubelet writes every few seconds: new conditions' times, nothing kpr uses."""
+    return node(
+        rv,
+        status={"conditions": [{"type": "Ready", "status": "True", "lastHeartbeatTime": rv}]},
+        **extra,
+    )
+
+
+@pytest.fixture
+def source() -> KubernetesSource:
+    source = KubernetesSource(api_client(None, "http://127.0.0.1:1"), "node-1")
+    for watcher in source.watchers:  # as if every first list had completed
+        watcher.stats.synced = True
+    source._listed("services-0", [service("web", ["10.96.0.10"], [("http", 80, "TCP")])])
+    source._listed(
+        "endpointslices-0", [endpoint_slice("web", ["10.244.0.5"], [("http", 8080, "TCP")])]
+    )
+    source._listed("node", [node("1")])
+    assert source.wait(0)
+    first = source.poll()
+    assert first is not None and first.changed is None and first.zone == "zone-a"
+    return source
+
+
+def test_a_node_heartbeat_does_not_trigger_a_resync(source: KubernetesSource) -> None:
+    source._event("node", "MODIFIED", heartbeat("2"))
+    source._event("node", "MODIFIED", heartbeat("3"))
+    assert not source.wait(0)
+    assert source.poll() is None
+
+
+def test_a_zone_change_triggers_a_full_resync(source: KubernetesSource) -> None:
+    source._event("node", "MODIFIED", node("2", zone="zone-b"))
+    assert source.wait(0)
+    snapshot = source.poll()
+    assert snapshot is not None and snapshot.changed is None and snapshot.zone == "zone-b"
+
+
+def test_a_relist_of_an_unchanged_node_does_not_resync(source: KubernetesSource) -> None:
+    source._listed("node", [heartbeat("9")])
+    assert source.poll() is None
+
+
+@pytest.mark.parametrize(
+    "draining",
+    [
+        {"spec": {"taints": [{"key": "ToBeDeletedByClusterAutoscaler", "effect": "NoSchedule"}]}},
+        {"metadata": {"deletionTimestamp": "2026-12-01T10:00:00Z"}},
+    ],
+    ids=["autoscaler-taint", "deletion-timestamp"],
+)
+def test_a_draining_node_is_reported_as_deleting(source: KubernetesSource, draining: dict) -> None:
+    source._event("node", "MODIFIED", node("2", **draining))
+    snapshot = source.poll()
+    assert snapshot is not None and snapshot.node_deleting
+    # and back: the autoscaler removes its taint when it gives up scaling down
+    source._event("node", "MODIFIED", node("3"))
+    snapshot = source.poll()
+    assert snapshot is not None and not snapshot.node_deleting
+
+
+def test_other_taints_do_not_drain(source: KubernetesSource) -> None:
+    tainted = node("2", spec={"taints": [{"key": "node.kubernetes.io/unschedulable"}]})
+    source._event("node", "MODIFIED", tainted)
+    assert source.poll() is None
+
+
+def test_master_stays_the_address_with_in_cluster_credentials(tmp_path, monkeypatch):
+    """In a pod (the DaemonSet) with --master set, every request goes to --master: the
+    in-cluster loader's token refresh, run before each request, must not put the kubernetes
+    Service's ClusterIP back (nothing serves it until kpr runs: found on the real-node lab)."""
+    from kubernetes import client as k8s_client
+    from kubernetes.config import incluster_config
+
+    from tests.support.apiserver import TestApiServer
+
+    token, ca = tmp_path / "token", tmp_path / "ca.crt"
+    token.write_text("pod-token")
+    ca.write_text("unused: the test server is plain HTTP\n")
+    monkeypatch.setattr(incluster_config, "SERVICE_TOKEN_FILENAME", str(token))
+    monkeypatch.setattr(incluster_config, "SERVICE_CERT_FILENAME", str(ca))
+    # What the kubelet gives every pod: the kubernetes Service, here an address nothing serves.
+    monkeypatch.setenv("KUBERNETES_SERVICE_HOST", "127.0.0.1")
+    monkeypatch.setenv("KUBERNETES_SERVICE_PORT", "1")
+    with TestApiServer() as server:
+        core = k8s_client.CoreV1Api(api_client(None, server.url))
+        for _ in range(3):
+            core.list_namespaced_service("default", _request_timeout=5)
+        assert core.api_client.configuration.host == server.url
+
+
+def test_the_nodes_internal_ips_come_with_the_snapshot_and_a_change_resyncs(
+    source: KubernetesSource,
+) -> None:
+    addresses = [
+        {"type": "Hostname", "address": "node-1"},
+        {"type": "InternalIP", "address": "192.168.50.1"},
+        {"type": "ExternalIP", "address": "203.0.113.1"},
+        {"type": "InternalIP", "address": "fd00:50::1"},
+    ]
+    source._event("node", "MODIFIED", node("2", status={"addresses": addresses}))
+    assert source.wait(0)
+    snapshot = source.poll()
+    assert snapshot is not None and snapshot.changed is None
+    assert [str(a) for a in snapshot.node_addresses] == ["192.168.50.1", "fd00:50::1"]
+    source._event("node", "MODIFIED", node("3", status={"addresses": addresses}))
+    assert source.poll() is None  # the same addresses: nothing to do
+
+
+def test_resync_makes_the_next_poll_return_everything(source: KubernetesSource) -> None:
+    assert source.poll() is None
+    source.resync()
+    assert source.wait(0)
+    snapshot = source.poll()
+    assert snapshot is not None and snapshot.changed is None and len(snapshot.services) == 1
