@@ -6,8 +6,8 @@ list → watch loop of client-go's reflector, on the official client:
   server-side timeout and a client-side read timeout → a watch that ends
   normally resumes from the last version seen → `410 Gone` lists again →
   any other failure backs off exponentially with jitter and resumes.
-Objects are kept as validated model objects; what changed is tracked per
-Service, so the agent re-translates only those.
+Objects are kept as validated model objects in a change tracker
+(kpr/sources/tracker.py), so the agent re-translates only the Services that changed.
 """
 
 from __future__ import annotations
@@ -34,10 +34,10 @@ from kpr.model import (
     ObjectRef,
     Problem,
     Service,
-    ServiceName,
     Snapshot,
 )
 from kpr.sources.objects import ObjectError, node_is_deleting, parse_endpoint_slice, parse_service
+from kpr.sources.tracker import ChangeTracker
 
 log = logging.getLogger(__name__)
 
@@ -240,26 +240,14 @@ class Watcher(threading.Thread):
 
 @dataclass
 class _Store:
-    """Validated objects by key, per watcher, and the keys of Services that changed."""
+    """What the watches brought: the objects (in the change tracker, which knows which
+    Services changed), the objects' problems, and what kpr uses of this Node."""
 
-    services: dict[str, dict[ObjectRef, Service]] = field(default_factory=dict)
-    slices: dict[str, dict[ObjectRef, EndpointSlice]] = field(default_factory=dict)
+    tracker: ChangeTracker = field(default_factory=ChangeTracker)
     problems: dict[ObjectRef, Problem] = field(default_factory=dict)
-    changed: set[ServiceName] = field(default_factory=set)
-    everything_changed: bool = True
     zone: str | None = None
     node_deleting: bool = False
     node_addresses: tuple[IPAddress, ...] = ()  # InternalIPs
-    # Service → its slices, keyed by (watcher, slice)
-    slices_of: dict[ServiceName, dict[tuple[str, ObjectRef], EndpointSlice]] = field(
-        default_factory=dict
-    )
-
-
-def _service_key(obj: Service | EndpointSlice) -> ServiceName | None:
-    if isinstance(obj, Service):
-        return (obj.namespace, obj.name)
-    return (obj.namespace, obj.service_name) if obj.service_name else None
 
 
 class KubernetesSource:
@@ -365,10 +353,6 @@ class KubernetesSource:
             else:
                 self._store.problems[ref] = problem
 
-    def _table(self, resource: str) -> dict:
-        tables = self._store.services if resource.startswith("services") else self._store.slices
-        return tables.setdefault(resource, {})
-
     def _listed(self, resource: str, items: Iterable[dict]) -> None:
         """A complete list: the table is replaced at once, after every page arrived
         (a list cut short leaves the previous table in place)."""
@@ -388,20 +372,13 @@ class KubernetesSource:
                 if parsed is not None:
                     fresh[ref] = parsed
         with self._lock, paused_gc():
-            table = self._table(resource)
+            tracker = self._store.tracker
+            table = tracker.objects(resource)
             for ref, problem in problems.items():
                 if problem is not None and ref in table:
                     fresh[ref] = table[ref]  # keep the last good version
-            old = dict(table)
-            table.clear()
-            table.update(fresh)
+            tracker.replace(resource, fresh)
             self._record(problems)
-            if resource.startswith("endpointslices"):
-                for ref in old.keys() - table.keys():
-                    self._index_slice(resource, ref, old[ref], None)
-                for ref, version in table.items():
-                    self._index_slice(resource, ref, old.get(ref), version)
-            self._store.everything_changed = True
         self._changes.set()
 
     def _event(self, resource: str, kind: str, obj: dict) -> None:
@@ -412,11 +389,9 @@ class KubernetesSource:
                 if not self._node(None if kind == "DELETED" else obj):
                     return
             else:
-                table = self._table(resource)
                 ref = _ref(resource, obj)
-                before = table.get(ref)
                 if kind == "DELETED":
-                    table.pop(ref, None)
+                    self._store.tracker.delete(ref, resource)
                     self._store.problems.pop(ref, None)
                 else:
                     problems: dict[ObjectRef, Problem | None] = {}
@@ -424,32 +399,8 @@ class KubernetesSource:
                     self._record(problems)
                     if parsed is None:
                         return
-                    table[ref] = parsed
-                for version in (before, table.get(ref)):
-                    key = _service_key(version) if version is not None else None
-                    if key:
-                        self._store.changed.add(key)
-                if resource.startswith("endpointslices"):
-                    self._index_slice(resource, ref, before, table.get(ref))
+                    self._store.tracker.upsert(parsed, resource)
         self._changes.set()
-
-    def _index_slice(
-        self,
-        resource: str,
-        ref: ObjectRef,
-        before: EndpointSlice | None,
-        after: EndpointSlice | None,
-    ) -> None:
-        """Keep `slices_of` (Service → its slices) current, for partial snapshots."""
-        for version, present in ((before, False), (after, True)):
-            key = _service_key(version) if version is not None else None
-            if key is None:
-                continue
-            entries = self._store.slices_of.setdefault(key, {})
-            if present:
-                entries[(resource, ref)] = version
-            else:
-                entries.pop((resource, ref), None)
 
     def _node(self, obj: dict | None) -> bool:
         """Take what kpr uses from this Node; whether any of it changed (then all of
@@ -463,7 +414,7 @@ class KubernetesSource:
         if (zone, deleting, addresses) == (store.zone, store.node_deleting, store.node_addresses):
             return False
         store.zone, store.node_deleting, store.node_addresses = zone, deleting, addresses
-        store.everything_changed = True
+        store.tracker.resync()
         return True
 
     # --- the agent's side ----------------------------------------------------------
@@ -473,28 +424,16 @@ class KubernetesSource:
         when nothing changed."""
         with self._lock:
             store = self._store
-            if not self.synced or not (store.everything_changed or store.changed):
+            if not self.synced:
                 return None
-            changed: set[ServiceName] | None = None
-            if store.everything_changed:
-                services = {k: v for t in store.services.values() for k, v in t.items()}
-                slices = {k: v for t in store.slices.values() for k, v in t.items()}
-            else:  # only the changed Services, found through the indexes
-                changed = set(store.changed)
-                refs = [ObjectRef("Service", ns, name) for ns, name in changed]
-                services = {r: t[r] for t in store.services.values() for r in refs if r in t}
-                slices = {
-                    ref: version
-                    for key in changed
-                    for (_, ref), version in store.slices_of.get(key, {}).items()
-                }
-            store.changed.clear()
-            store.everything_changed = False
+            changes = store.tracker.take()
+            if changes is None:
+                return None
             return Snapshot(
-                services=list(services.values()),
-                slices=list(slices.values()),
+                services=changes.services,
+                slices=changes.slices,
                 problems=list(store.problems.values()),
-                changed=changed,
+                changed=changes.changed,
                 zone=store.zone,
                 node_deleting=store.node_deleting,
                 node_addresses=store.node_addresses,
@@ -502,14 +441,14 @@ class KubernetesSource:
 
     def resync(self) -> None:
         with self._lock:
-            self._store.everything_changed = True
+            self._store.tracker.resync()
         self._changes.set()
 
     def pending(self) -> tuple[int, int]:
         """Services with changes not yet polled, and EndpointSlice changes among them
         (not told apart: both count the Services they touch)."""
         with self._lock:
-            count = len(self._store.changed)
+            count = self._store.tracker.pending()
         return count, count
 
     def status(self) -> dict:
