@@ -1,6 +1,9 @@
 """The manifest-directory source: Services and EndpointSlices read from YAML and JSON files.
 
 Files hold what `kubectl get -o yaml` prints (several documents, or a List).
+The objects feed a change tracker (kpr/sources/tracker.py): after the first poll,
+a snapshot holds only the Services whose objects changed, so editing one file of a
+large directory re-translates only what that file defines.
 Bad input never takes away what was working: a file that does not parse keeps
 its objects from the last good read, an invalid object keeps its last good
 version, and each problem names the file, the object and the field.
@@ -20,6 +23,7 @@ import yaml
 
 from kpr.model import EndpointSlice, ObjectRef, Problem, Service, Snapshot
 from kpr.sources.objects import ObjectError, parse_object
+from kpr.sources.tracker import ChangeTracker
 
 MANIFEST_SUFFIXES = (".yaml", ".yml", ".json")
 POLL_INTERVAL = 0.2  # seconds between looks at the directory
@@ -55,6 +59,7 @@ class ManifestSource:
         self._polled = False
         self._definitions: dict[str, list[_Definition]] = {}  # per file, from its last good read
         self._objects: dict[ObjectRef, KubeObject] = {}  # in the last snapshot
+        self._tracker = ChangeTracker()
         # per file: (stamp, definitions, problems) of its last read
         self._files: dict[str, tuple[tuple[int, int], list[_Definition], list[Problem]]] = {}
 
@@ -83,10 +88,16 @@ class ManifestSource:
         return {}  # no watches: the directory is read when it changes
 
     def resync(self) -> None:
-        self._polled = False  # every poll returns the whole state: the next one too
+        self._polled = False  # the next poll reads the directory even if nothing changed
+        self._tracker.resync()  # and returns the whole state
+
+    def pending(self) -> tuple[int, int]:
+        """Changes are read at the poll: none wait in between."""
+        return 0, 0
 
     def poll(self) -> Snapshot | None:
-        """A new Snapshot on the first call and after any change; None when nothing changed."""
+        """The whole state on the first call (and after `resync`), then what changed: the
+        Services whose objects changed, and every problem; None when no file changed."""
         stamps = self._scan()
         if self._polled and stamps == self._stamps:
             return None
@@ -196,7 +207,8 @@ class ManifestSource:
     def _snapshot(
         self, definitions: dict[str, list[_Definition]], problems: list[Problem]
     ) -> Snapshot:
-        """Resolve duplicates (the first by path and document order wins) into a Snapshot."""
+        """Resolve duplicates (the first by path and document order wins), feed the
+        tracker the objects that changed, and take the Snapshot of what changed."""
         first: dict[ObjectRef, _Definition] = {}
         for name in sorted(definitions):
             for definition in definitions[name]:
@@ -209,11 +221,23 @@ class ManifestSource:
                             source=name,
                         )
                     )
-        self._objects = {ref: d.obj for ref, d in first.items() if d.obj is not None}
-        objects = list(self._objects.values())
+        objects = {ref: d.obj for ref, d in first.items() if d.obj is not None}
+        for ref in self._objects.keys() - objects.keys():
+            self._tracker.delete(ref)
+        for ref, obj in objects.items():
+            before = self._objects.get(ref)
+            if before is not obj and before != obj:  # (unchanged files keep their objects)
+                self._tracker.upsert(obj)
+        self._objects = objects
+        changes = self._tracker.take()
+        if changes is not None and changes.changed is not None:
+            return Snapshot(changes.services, changes.slices, problems, changes.changed)
+        if changes is None:  # files changed, objects did not (a problem may have)
+            return Snapshot([], [], problems, changed=set())
+        # the whole state, in the order of the files
         return Snapshot(
-            services=[obj for obj in objects if isinstance(obj, Service)],
-            slices=[obj for obj in objects if isinstance(obj, EndpointSlice)],
+            services=[obj for obj in objects.values() if isinstance(obj, Service)],
+            slices=[obj for obj in objects.values() if isinstance(obj, EndpointSlice)],
             problems=problems,
         )
 

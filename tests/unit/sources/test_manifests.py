@@ -73,6 +73,15 @@ def poll(source: ManifestSource) -> Snapshot:
     return snapshot
 
 
+def whole(source: ManifestSource) -> Snapshot:
+    """The whole state the source holds (after the first poll, a snapshot holds only
+    what changed)."""
+    source.resync()
+    snapshot = poll(source)
+    assert snapshot.changed is None
+    return snapshot
+
+
 def refs(snapshot: Snapshot) -> list[ObjectRef]:
     return [obj.ref for obj in [*snapshot.services, *snapshot.slices]]
 
@@ -163,7 +172,9 @@ def test_removed_file_removes_its_objects(tmp_path: Path) -> None:
     source = ManifestSource(tmp_path)
     poll(source)
     (tmp_path / "api.yaml").unlink()
-    assert [s.name for s in poll(source).services] == ["web"]
+    change = poll(source)
+    assert change.changed == {("default", "api")} and change.services == []
+    assert [s.name for s in whole(source).services] == ["web"]
 
 
 def test_directory_that_vanishes_keeps_what_it_defined(tmp_path: Path) -> None:
@@ -173,9 +184,37 @@ def test_directory_that_vanishes_keeps_what_it_defined(tmp_path: Path) -> None:
     poll(source)
     (directory / "web.yaml").unlink()
     directory.rmdir()
-    snapshot = poll(source)
+    change = poll(source)
+    assert change.changed == set() and "is gone" in messages(change)[0]
+    snapshot = whole(source)
     assert [s.name for s in snapshot.services] == ["web"]
     assert "is gone" in messages(snapshot)[0]
+
+
+def test_after_the_first_poll_a_snapshot_holds_only_the_services_whose_objects_changed(
+    tmp_path: Path,
+) -> None:
+    for i in range(20):
+        write(tmp_path / f"svc-{i:02}.yaml", WEB.format(port=80).replace("web", f"web-{i}"))
+    write(tmp_path / "slices" / "web-3.yaml", WEB_SLICE.replace("web", "web-3"))
+    source = ManifestSource(tmp_path)
+    assert len(poll(source).services) == 20  # the first: everything
+    write(tmp_path / "svc-07.yaml", WEB.replace("web", "web-7").format(port=8080))
+    change = poll(source)
+    assert change.changed == {("default", "web-7")}
+    assert [(s.name, s.ports[0].port) for s in change.services] == [("web-7", 8080)]
+    assert change.slices == []
+    # a slice's change hands over its Service with it
+    write(tmp_path / "slices" / "web-3.yaml", WEB_SLICE.replace("web", "web-3") + "  ")
+    change = poll(source)
+    assert change.changed == set()  # the same objects: nothing to translate again
+    write(
+        tmp_path / "slices" / "web-3.yaml", WEB_SLICE.replace("web", "web-3").replace(".11", ".12")
+    )
+    change = poll(source)
+    assert change.changed == {("default", "web-3")}
+    assert [s.name for s in change.services] == ["web-3"]
+    assert [s.name for s in change.slices] == ["web-3-abc12"]
 
 
 # --- bad input ------------------------------------------------------------------------------
@@ -189,7 +228,9 @@ def test_yaml_error_names_the_file_and_line_and_keeps_its_last_good_objects(
     source = ManifestSource(tmp_path)
     poll(source)
     write(tmp_path / "services.yaml", WEB.format(port=80) + "  - name: [broken\n")
-    snapshot = poll(source)
+    change = poll(source)
+    assert change.changed == set() and len(change.problems) == 1  # nothing else changed
+    snapshot = whole(source)
     assert [s.name for s in snapshot.services] == ["api", "web"]
     (problem,) = messages(snapshot)
     assert problem.startswith("services.yaml: not valid YAML at line 13: ")
@@ -230,7 +271,8 @@ def test_bad_edit_keeps_the_last_good_version_of_the_object(tmp_path: Path) -> N
     source = ManifestSource(tmp_path)
     poll(source)
     write(tmp_path / "services.yaml", WEB.format(port=0) + "---\n" + API)
-    snapshot = poll(source)
+    assert poll(source).changed == set()  # the last good version: no change
+    snapshot = whole(source)
     assert messages(snapshot) == [
         "services.yaml: Service default/web: spec.ports[0].port: "
         "0 is not a valid port (1-65535); its last good version is kept"
@@ -242,6 +284,7 @@ def test_bad_edit_keeps_the_last_good_version_of_the_object(tmp_path: Path) -> N
     # Still bad on the next edit elsewhere: the same good version is kept.
     write(tmp_path / "slices.yaml", WEB_SLICE.replace("10.244.1.11", "10.244.1.12"))
     snapshot = poll(source)
+    assert snapshot.changed == {("default", "web")}
     assert snapshot.services[0].ports[0].port == 80
     # Fixed: the new version is used.
     write(tmp_path / "services.yaml", WEB.format(port=81) + "---\n" + API)
