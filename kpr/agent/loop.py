@@ -28,7 +28,7 @@ from kpr.agent.runner import Kind, Ran, SyncRunner
 from kpr.datapath import abi, loader, sockets, tc
 from kpr.datapath.maps import BpfMaps, execute, slot_blocks
 from kpr.datapath.plan import apply_plan, plan
-from kpr.desired.translate import translate
+from kpr.desired.state import DesiredState
 from kpr.gcpause import paused_gc
 from kpr.health.services import HealthCheckServers
 from kpr.model import (
@@ -36,9 +36,7 @@ from kpr.model import (
     Backend,
     Frontend,
     NodeContext,
-    ObjectRef,
     Problem,
-    ServiceName,
     Snapshot,
     Translation,
 )
@@ -145,9 +143,7 @@ class Agent:
         self.cgroup: Path | None = None
         self.repairs = 0  # attachments put back
         self.node = config.node
-        # the merged desired state, and which Service owns each frontend
-        self.desired = Translation()
-        self.frontends_of: dict[ServiceName, set[Frontend]] = {}
+        self.store = DesiredState()  # every Service's translation, merged
         self.source_problems: list[Problem] = []
         self._reported: set[str] = set()
         self.last_full = 0.0
@@ -169,6 +165,11 @@ class Agent:
         # (last sync, queued) stay wall clock
         self.clock: Callable[[], float] = time.monotonic
         self.runner = SyncRunner(config.min_sync_period, config.sync_period, self.clock)
+
+    @property
+    def desired(self) -> Translation:
+        """The desired state of the datapath, all Services merged."""
+        return self.store.translation
 
     def start(self) -> None:
         """Compile and pin the programs, open the pinned maps, adopt their content. The
@@ -336,51 +337,7 @@ class Agent:
         self.node_deleting = snapshot.node_deleting
         if snapshot.zone != self.node.zone:  # topology hints depend on it
             self.node = dataclasses.replace(self.node, zone=snapshot.zone)
-        if snapshot.changed is None:
-            self.desired = translate(snapshot.services, snapshot.slices, self.node)
-            self.frontends_of = {}
-            for frontend, key in self.desired.owners.items():
-                self.frontends_of.setdefault(key, set()).add(frontend)
-            return None
-        partial = translate(snapshot.services, snapshot.slices, self.node)
-        touched: set[Frontend] = set()
-        for key in snapshot.changed:
-            self.desired.health_checks.pop(key, None)
-            self.desired.no_local_endpoints.pop(key, None)
-            self.desired.local_endpoints.pop(key, None)
-            for frontend in self.frontends_of.pop(key, set()):
-                self.desired.frontends.pop(frontend, None)
-                self.desired.held.discard(frontend)
-                self.desired.owners.pop(frontend, None)
-                touched.add(frontend)
-        self.desired.problems = [
-            p
-            for p in self.desired.problems
-            if not (p.ref and (p.ref.namespace, p.ref.name) in snapshot.changed)
-        ] + partial.problems
-        for frontend, key in partial.owners.items():
-            other = self.desired.owners.get(frontend)
-            if other is not None and other != key:
-                # with the loser's ref, so its next change replaces this problem
-                self.desired.problems.append(
-                    Problem(
-                        f"{frontend} is also claimed by Service {other[0]}/{other[1]}, "
-                        "which keeps it",
-                        ObjectRef("Service", *key),
-                    )
-                )
-                continue
-            self.desired.owners[frontend] = key
-            self.frontends_of.setdefault(key, set()).add(frontend)
-            if frontend in partial.held:
-                self.desired.held.add(frontend)
-            else:
-                self.desired.frontends[frontend] = partial.frontends[frontend]
-            touched.add(frontend)
-        self.desired.health_checks.update(partial.health_checks)
-        self.desired.no_local_endpoints.update(partial.no_local_endpoints)
-        self.desired.local_endpoints.update(partial.local_endpoints)
-        return touched
+        return self.store.update(snapshot.services, snapshot.slices, self.node, snapshot.changed)
 
     # --- syncing ----------------------------------------------------------------
 

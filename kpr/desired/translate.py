@@ -23,7 +23,6 @@ from kpr.model import (
     IPAddress,
     IPNetwork,
     NodeContext,
-    ObjectRef,
     Problem,
     Service,
     ServiceName,
@@ -36,24 +35,17 @@ SERVICE_PROXY_NAME_LABEL = "service.kubernetes.io/service-proxy-name"
 LOCALHOST = IPv4Address("127.0.0.1")
 
 
-def translate(
-    services: Iterable[Service], slices: Iterable[EndpointSlice], node: NodeContext
+def translate_service(
+    service: Service, slices: Iterable[EndpointSlice], node: NodeContext
 ) -> Translation:
-    """The whole desired datapath state for this node."""
-    # Sorted, so a conflict resolves the same way whatever order the source gives.
-    services = sorted(services, key=lambda service: (service.namespace, service.name))
+    """One Service's own frontends (`slices`: its IP slices). Whether another Service
+    claims one of them too is for the desired state to decide (kpr/desired/state.py)."""
     translation = Translation()
-    slices_by_service = owned_slices(services, slices, translation.problems)
-    owners: dict[Frontend, ObjectRef] = {}
-    for service in services:
-        if is_served(service, node):
-            service_slices = slices_by_service.get((service.namespace, service.name), [])
-            _translate_service(service, service_slices, node, owners, translation)
-    translation.owners = {
-        frontend: (ref.namespace, ref.name)
-        for frontend, ref in owners.items()
-        if frontend in translation.frontends or frontend in translation.held
-    }
+    if is_served(service, node):
+        ordered = sorted(slices, key=lambda s: (s.namespace, s.name))
+        _translate_service(service, ordered, node, translation)
+        key = (service.namespace, service.name)
+        translation.owners = dict.fromkeys(translation.frontends, key)
     return translation
 
 
@@ -61,7 +53,6 @@ def _translate_service(
     service: Service,
     slices: list[EndpointSlice],
     node: NodeContext,
-    owners: dict[Frontend, ObjectRef],
     translation: Translation,
 ) -> None:
     """Add the frontends of one Service: per port and protocol, each address it is
@@ -72,7 +63,6 @@ def _translate_service(
             service.health_check_node_port,
             local_ready_endpoints(service, slices, node),
         )
-    ref = service.ref
     # Each address is served from the slices of its own IP family.
     slices_of = {
         4: [s for s in slices if s.address_type == "IPv4"],
@@ -114,12 +104,6 @@ def _translate_service(
                             f"spec.externalIPs[{service.external_ips.index(frontend.address)}]",
                         )
                     )
-                continue
-            owner = owners.setdefault(frontend, ref)
-            if owner != ref:
-                translation.problems.append(
-                    Problem(f"{frontend} is also claimed by {owner}, which keeps it", ref, field)
-                )
                 continue
             version = frontend.address.version
             family_slices = slices_of[version]

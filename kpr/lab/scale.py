@@ -26,7 +26,7 @@ import yaml
 from kpr.agent import runstate
 from kpr.agent.loop import Agent, AgentConfig
 from kpr.datapath import bpfsys, loader
-from kpr.desired.translate import translate
+from kpr.desired.state import translate
 from kpr.lab.latency import measure, measure_paired
 from kpr.lab.netns import Lab
 from kpr.model import NodeContext

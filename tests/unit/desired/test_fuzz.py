@@ -9,7 +9,7 @@ from pathlib import Path
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kpr.desired.translate import translate
+from kpr.desired.state import translate
 from kpr.model import NodeContext
 from kpr.sources.manifests import ManifestSource
 from kpr.sources.objects import ObjectError, parse_object

@@ -10,7 +10,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kpr.desired.translate import cluster_endpoints, local_endpoints, topology_mode, translate
+from kpr.desired.state import translate
+from kpr.desired.translate import cluster_endpoints, local_endpoints, topology_mode
 from kpr.model import (
     EXTERNAL,
     SOCKET,

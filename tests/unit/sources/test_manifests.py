@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from kpr.desired.translate import translate
+from kpr.desired.state import translate
 from kpr.model import Frontend, NodeContext, ObjectRef
 from kpr.sources.manifests import ManifestSource, Snapshot
 

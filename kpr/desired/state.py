@@ -1,0 +1,175 @@
+"""The desired state, kept per Service, and the one rule for a contested frontend.
+
+Each Service is translated on its own (`translate_service`); the store merges the
+translations. When two Services claim one frontend (the same externalIP and port,
+say), the first by namespace then name keeps it and the other gets a problem naming
+the one that keeps it (`keeps`). The rule depends on the objects alone, never on
+the order they arrived in, so a full translation and any sequence of partial updates
+agree on the winner: after a restart, on every node, and when the winner goes (the
+next in order takes the frontend over).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Iterable
+
+from kpr.desired.translate import owned_slices, translate_service
+from kpr.model import (
+    EndpointSlice,
+    Frontend,
+    FrontendState,
+    NodeContext,
+    ObjectRef,
+    Problem,
+    Service,
+    ServiceName,
+    Translation,
+)
+
+
+def keeps(claimants: Iterable[ServiceName]) -> ServiceName:
+    """Which of the Services claiming one frontend keeps it: the first by namespace, then
+    name (what kube-proxy's sorted Service maps give, and stable across restarts)."""
+    return min(claimants)
+
+
+def translate(
+    services: Iterable[Service], slices: Iterable[EndpointSlice], node: NodeContext
+) -> Translation:
+    """The whole desired datapath state for this node."""
+    state = DesiredState()
+    state.update(services, slices, node)
+    return state.translation
+
+
+class DesiredState:
+    """Every Service's translation, merged into `translation` (what the datapath is
+    planned from); `update` folds in the Services that changed."""
+
+    def __init__(self) -> None:
+        self.translation = Translation()
+        # each Service's own frontends: its state for each (None: held)
+        self._claims: dict[ServiceName, dict[Frontend, FrontendState | None]] = {}
+        self._problems: dict[ServiceName, list[Problem]] = {}  # only Services with some
+        self._rivals: dict[Frontend, set[ServiceName]] = {}  # contested frontends' claimants
+
+    def update(
+        self,
+        services: Iterable[Service],
+        slices: Iterable[EndpointSlice],
+        node: NodeContext,
+        changed: Collection[ServiceName] | None = None,
+    ) -> set[Frontend] | None:
+        """Fold in the objects of the `changed` Services (`services` and `slices` hold all
+        of theirs that exist), or with None the whole state. The frontends whose desired
+        state may have changed (None: all of them)."""
+        services = list(services)
+        by_key = {(s.namespace, s.name): s for s in services}
+        slices_of: dict[ServiceName, list[EndpointSlice]] = {}
+        for endpoint_slice in slices:
+            if endpoint_slice.service_name is not None:
+                key = (endpoint_slice.namespace, endpoint_slice.service_name)
+                slices_of.setdefault(key, []).append(endpoint_slice)
+        if changed is None:  # the whole state: start again
+            self.translation = Translation()
+            self._claims, self._problems, self._rivals = {}, {}, {}
+            keys: Collection[ServiceName] = by_key.keys() | slices_of.keys()
+        else:
+            keys = changed
+        touched: set[Frontend] = set()
+        for key in keys:
+            touched.update(self._withdraw(key))
+        for key in keys:
+            service = by_key.get(key)
+            problems: list[Problem] = []
+            # a slice naming a Service that does not exist is a problem (of that Service)
+            owned = owned_slices([service] if service else [], slices_of.get(key, []), problems)
+            if service is not None:
+                translation = translate_service(service, owned.get(key, []), node)
+                problems.extend(translation.problems)
+                touched.update(self._claim(key, translation))
+            if problems:
+                self._problems[key] = problems
+        for frontend in touched:
+            self._resolve(frontend)
+        self._collect_problems()
+        return None if changed is None else touched
+
+    def _withdraw(self, key: ServiceName) -> Iterable[Frontend]:
+        """Take back everything one Service contributed; the frontends it claimed."""
+        desired = self.translation
+        desired.health_checks.pop(key, None)
+        desired.no_local_endpoints.pop(key, None)
+        desired.local_endpoints.pop(key, None)
+        self._problems.pop(key, None)
+        claims = self._claims.pop(key, {})
+        owners = desired.owners
+        for frontend in claims:
+            rivals = self._rivals.get(frontend)
+            if rivals is None:
+                del owners[frontend]
+                continue
+            rivals.discard(key)
+            owners[frontend] = keeps(rivals)  # (an owner is always a claimant)
+            if len(rivals) == 1:
+                del self._rivals[frontend]
+        return claims
+
+    def _claim(self, key: ServiceName, translation: Translation) -> Iterable[Frontend]:
+        """Record one Service's translation; the frontends it claims."""
+        desired = self.translation
+        claims: dict[Frontend, FrontendState | None] = dict(translation.frontends)
+        claims.update(dict.fromkeys(translation.held))
+        if claims:
+            self._claims[key] = claims
+        owners = desired.owners
+        for frontend in claims:
+            rivals = self._rivals.get(frontend)
+            if rivals is not None:
+                rivals.add(key)
+                continue
+            owner = owners.setdefault(frontend, key)
+            if owner != key:
+                self._rivals[frontend] = {owner, key}
+        if key in translation.health_checks:
+            desired.health_checks[key] = translation.health_checks[key]
+        if key in translation.no_local_endpoints:
+            desired.no_local_endpoints[key] = translation.no_local_endpoints[key]
+        if key in translation.local_endpoints:
+            desired.local_endpoints[key] = translation.local_endpoints[key]
+        return claims
+
+    def _resolve(self, frontend: Frontend) -> None:
+        """Give a frontend whose claims changed to the Service that keeps it (its state
+        from that Service's translation), or remove it when no Service claims it."""
+        desired = self.translation
+        rivals = self._rivals.get(frontend)
+        owner = keeps(rivals) if rivals is not None else desired.owners.get(frontend)
+        if owner is None:
+            desired.frontends.pop(frontend, None)
+            desired.held.discard(frontend)
+            return
+        desired.owners[frontend] = owner
+        state = self._claims[owner][frontend]
+        if state is None:
+            desired.frontends.pop(frontend, None)
+            desired.held.add(frontend)
+        else:
+            desired.frontends[frontend] = state
+            desired.held.discard(frontend)
+
+    def _collect_problems(self) -> None:
+        """Each Service's problems, and one for each Service that lost a frontend (with
+        its ref, so that its next change replaces it)."""
+        problems = [p for key in sorted(self._problems) for p in self._problems[key]]
+        for frontend, rivals in sorted(self._rivals.items()):
+            owner = keeps(rivals)
+            for loser in sorted(rivals - {owner}):
+                problems.append(
+                    Problem(
+                        f"{frontend} is also claimed by Service {owner[0]}/{owner[1]}, "
+                        "which keeps it",
+                        ObjectRef("Service", *loser),
+                    )
+                )
+        self.translation.problems = problems
