@@ -28,6 +28,8 @@ from kpr.agent.runner import Kind, Ran, SyncRunner
 from kpr.datapath import abi, loader, sockets, tc
 from kpr.datapath.maps import BpfMaps, execute, slot_blocks
 from kpr.datapath.plan import apply_plan, plan
+from kpr.desired.drift import drift as find_drift
+from kpr.desired.drift import entries
 from kpr.desired.state import DesiredState
 from kpr.gcpause import paused_gc
 from kpr.health.services import HealthCheckServers
@@ -362,7 +364,8 @@ class Agent:
             pins = self._repair_pins()
             attachments = self._repair_attachments()
             reread = self.maps.read()
-            drift = _drift(self.programmed, reread)
+            # what was written against what the maps hold: what this sync repairs
+            drift = len(find_drift(entries(self.programmed), entries(reread)))
             self.programmed = reread
             touched = None
             # the slot blocks are not read back: write them all again from the slot entries
@@ -720,17 +723,3 @@ def node_context(record: dict) -> NodeContext:
         localhost_node_ports=record.get("localhost_node_ports", True),
         external_ip_cidrs=None if cidrs is None else tuple(ip_network(c) for c in cidrs),
     )
-
-
-def _drift(expected, actual) -> int:
-    """Frontends whose map entries differ from what the agent last wrote."""
-    keys = expected.services.keys() | actual.services.keys()
-    drifted = 0
-    for frontend in keys:
-        a, b = expected.services.get(frontend), actual.services.get(frontend)
-        if a is None or b is None or a.slots != b.slots or a.service_id != b.service_id:
-            drifted += 1
-            continue
-        if any(expected.backends.get(i) != actual.backends.get(i) for i in a.slots):
-            drifted += 1
-    return drifted

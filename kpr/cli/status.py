@@ -12,6 +12,8 @@ from kpr.agent import runstate
 from kpr.datapath import abi, loader, tc
 from kpr.datapath.maps import BpfMaps
 from kpr.datapath.plan import ProgrammedState
+from kpr.desired.drift import Entry
+from kpr.desired.drift import drift as find_drift
 from kpr.model import EndpointSlice, Service
 from kpr.node import host
 
@@ -28,21 +30,11 @@ def programmed_view(programmed: ProgrammedState) -> dict[str, list[str]]:
 
 
 def drift(desired: dict[str, dict], held: list[str], programmed: dict[str, list[str]]) -> list[str]:
-    """Differences between what the agent last wanted and what the maps hold."""
-    out = []
-    for frontend, want in sorted(desired.items()):
-        have = programmed.get(frontend)
-        if have is None:
-            out.append(f"{frontend} ({want['service']}): missing from the maps")
-        elif sorted(have) != sorted(want["backends"]):
-            out.append(
-                f"{frontend} ({want['service']}): maps hold {len(have)} backends "
-                f"{sorted(set(have) - set(want['backends']))[:5]} extra, "
-                f"{sorted(set(want['backends']) - set(have))[:5]} missing"
-            )
-    for frontend in sorted(programmed.keys() - desired.keys() - set(held)):
-        out.append(f"{frontend}: in the maps but not wanted")
-    return out
+    """Differences between what the agent last wanted and what the maps hold (the agent's
+    own measure of drift, kpr/desired/drift.py, on the run state file's strings)."""
+    wanted = {f: Entry(tuple(w["backends"]), service=w["service"]) for f, w in desired.items()}
+    have = {f: Entry(tuple(backends)) for f, backends in programmed.items()}
+    return [str(d) for d in find_drift(wanted, have, held)]
 
 
 def report(pin_dir: Path) -> dict:
