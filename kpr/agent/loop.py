@@ -71,11 +71,17 @@ class Source(Protocol):
     def resync(self) -> None:
         """Make the next poll return everything (the node's addresses changed)."""
 
+    def pending(self) -> tuple[int, int]:
+        """Service and EndpointSlice changes not polled yet."""
+
 
 class Observer(Protocol):
-    """Health and metrics: told about syncs, never consulted by them."""
+    """Health and metrics: told about syncs, never consulted by them, and told all they
+    need (they hold no reference to the agent)."""
 
-    def queued(self, when: float) -> None: ...
+    def queued(self, when: float, pending: tuple[int, int]) -> None:
+        """A change arrived (wall clock); the Service and EndpointSlice changes waiting."""
+
     def synced(self, result: SyncResult) -> None: ...
 
 
@@ -110,6 +116,12 @@ class SyncResult:
     drift_repaired: int = 0  # frontends whose map entries were written again
     attachments_repaired: int = 0  # cgroup hooks and TC filters attached again
     pins_repaired: int = 0  # pins put back
+    node_deleting: bool = False  # this Node is being deleted (kube-proxy's nodeEligible)
+    # Service ports with a Local traffic policy and endpoints, none on this node, summed:
+    # (internal, external)
+    no_local_endpoints: tuple[int, int] = (0, 0)
+    # entries and capacity of each map, counted on full syncs only (it walks every frontend)
+    map_fill: dict[str, tuple[int, int]] | None = None
 
 
 def _limit_malloc_arenas() -> None:
@@ -135,6 +147,7 @@ class Agent:
         config: AgentConfig,
         observers: list[Observer] | None = None,
         health_checks: HealthCheckServers | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.source = source
         self.health_checks = health_checks  # healthCheckNodePort servers
@@ -165,7 +178,7 @@ class Agent:
         self.node_addresses: tuple = ()  # the Node's InternalIPs, from the source
         # scheduling (the runner, the run state's writes) is on this clock; reported times
         # (last sync, queued) stay wall clock
-        self.clock: Callable[[], float] = time.monotonic
+        self.clock = clock
         self.runner = SyncRunner(config.min_sync_period, config.sync_period, self.clock)
 
     @property
@@ -360,6 +373,7 @@ class Agent:
         touched = self._translate(snapshot) if snapshot is not None else set()
         full = full or touched is None
         drift = pins = attachments = 0
+        fill: dict[str, tuple[int, int]] | None = None
         if full:
             pins = self._repair_pins()
             attachments = self._repair_attachments()
@@ -417,7 +431,8 @@ class Agent:
             # Frozen objects are still freed by reference counting when they die;
             # the objects kpr builds hold no reference cycles.
             gc.freeze()
-            for name, (used, size) in self.map_fill().items():
+            fill = self.map_fill()
+            for name, (used, size) in fill.items():
                 if used >= abi.MAP_PRESSURE * size:
                     log.warning(
                         "map %s is %d%% full (%d of %d entries): raise its size before "
@@ -443,6 +458,12 @@ class Agent:
             drift_repaired=drift if writes else 0,
             attachments_repaired=attachments,
             pins_repaired=pins,
+            node_deleting=self.node_deleting,
+            no_local_endpoints=(
+                sum(internal for internal, _ in self.desired.no_local_endpoints.values()),
+                sum(external for _, external in self.desired.no_local_endpoints.values()),
+            ),
+            map_fill=fill,
         )
         if writes:
             log.info(
@@ -641,7 +662,6 @@ class Agent:
         sync at least once per sync_period (kube-proxy's bounded-frequency runner,
         `runner.SyncRunner`). The source accumulates changes while the runner holds back."""
         cfg = self.config
-        self.runner = SyncRunner(cfg.min_sync_period, cfg.sync_period, self.clock)
         self.runner.request()  # the first poll at once: a source may have its state already
 
         def sync(kind: Kind) -> Ran | None:
@@ -664,8 +684,9 @@ class Agent:
                 return False
             if not self.source.wait(timeout):
                 return False
+            pending = self.source.pending()
             for observer in self.observers:
-                observer.queued(time.time())
+                observer.queued(time.time(), pending)
             return True
 
         def idle(quiet: bool) -> None:

@@ -4,42 +4,44 @@ and counts, and never decides anything (as kube-proxy's health server)."""
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from kpr.health.proxier import ProxyHealth
+from kpr.node.host import KernelHeaders
 from kpr.observe.metrics import Metrics
 
 if TYPE_CHECKING:
-    from kpr.agent.loop import Agent, SyncResult
+    from kpr.agent.loop import SyncResult
 
 
 class Telemetry:
-    """The agent's Observer: sync timings, change counts, map fill, health."""
+    """The agent's Observer: sync timings, change counts, map fill, health; all from
+    what each sync reports (`SyncResult`), none read from the agent."""
 
-    def __init__(self, health: ProxyHealth, metrics: Metrics) -> None:
+    def __init__(
+        self,
+        health: ProxyHealth,
+        metrics: Metrics,
+        kernel_headers: KernelHeaders | None = None,
+        datapath_reader: Callable[[], dict[str, int]] | None = None,
+    ) -> None:
+        """`kernel_headers`: what BCC compiled against; `datapath_reader`: the datapath's
+        outcome counters, read at each scrape."""
         self.health = health
         self.metrics = metrics
-        self.agent: Agent | None = None
-
-    def attach(self, agent: Agent) -> None:
-        self.agent = agent
-        agent.observers.append(self)
-        if agent.maps is not None:
-            self.metrics.set_datapath_reader(agent.maps.stats)
-        if agent.kernel_headers is not None:
-            headers = agent.kernel_headers
-            self.metrics.kernel_headers_info.labels(
-                origin=headers.origin, release=headers.release
+        metrics.set_datapath_reader(datapath_reader)
+        if kernel_headers is not None:
+            metrics.kernel_headers_info.labels(
+                origin=kernel_headers.origin, release=kernel_headers.release
             ).set(1)
 
-    def queued(self, when: float) -> None:
+    def queued(self, when: float, pending: tuple[int, int]) -> None:
         self.health.queued()
         self.metrics.sync_proxy_rules_last_queued_timestamp.set(when)
-        pending = getattr(self.agent.source, "pending", None) if self.agent else None
-        if pending:
-            services, slices = pending()
-            self.metrics.service_changes_pending.set(services)
-            self.metrics.endpoint_changes_pending.set(slices)
+        services, slices = pending
+        self.metrics.service_changes_pending.set(services)
+        self.metrics.endpoint_changes_pending.set(slices)
 
     def synced(self, result: SyncResult) -> None:
         m = self.metrics
@@ -66,16 +68,10 @@ class Telemetry:
         ):
             # every series from the start, so rate() and alerts see 0 before the first repair
             m.drift_repairs_total.labels(object=repaired).inc(count)
-        if self.agent is not None:
-            self.health.set_node_deleting(self.agent.node_deleting)
-            counts = self.agent.desired.no_local_endpoints.values()
-            m.sync_proxy_rules_no_local_endpoints_total.labels(traffic_policy="internal").set(
-                sum(internal for internal, _ in counts)
-            )
-            m.sync_proxy_rules_no_local_endpoints_total.labels(traffic_policy="external").set(
-                sum(external for _, external in counts)
-            )
-        if self.agent is not None and result.full:  # counting walks every frontend
-            for name, (used, size) in self.agent.map_fill().items():
-                m.map_entries.labels(map=name).set(used)
-                m.map_max_entries.labels(map=name).set(size)
+        self.health.set_node_deleting(result.node_deleting)
+        internal, external = result.no_local_endpoints
+        m.sync_proxy_rules_no_local_endpoints_total.labels(traffic_policy="internal").set(internal)
+        m.sync_proxy_rules_no_local_endpoints_total.labels(traffic_policy="external").set(external)
+        for name, (used, size) in (result.map_fill or {}).items():
+            m.map_entries.labels(map=name).set(used)
+            m.map_max_entries.labels(map=name).set(size)

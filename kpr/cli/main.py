@@ -257,7 +257,10 @@ def run(
         )
         agent = Agent(feed, config, health_checks=HealthCheckServers(addresses, health.healthy))
         agent.start()
-        Telemetry(health, metrics).attach(agent)
+        assert agent.maps is not None  # (started)
+        agent.observers.append(
+            Telemetry(health, metrics, agent.kernel_headers, datapath_reader=agent.maps.stats)
+        )
         for server in servers:
             server.start()
     except (host.SetupError, ConfigError, ValueError, OSError) as err:

@@ -274,6 +274,9 @@ class FeedSource(Source):
     def resync(self) -> None:
         pass
 
+    def pending(self) -> tuple[int, int]:
+        return 0, 0
+
     def poll(self):  # type: ignore[override]
         from kpr.model import Snapshot
 
@@ -291,8 +294,7 @@ def agent_run(tmp_path, changes: list[float], until: float, removed_at: float = 
     clock = Clock()
     source = FeedSource(clock, changes)
     config = loop.AgentConfig(pin_dir=tmp_path, min_sync_period=1.0, sync_period=30.0)
-    agent = loop.Agent(source, config)
-    agent.clock = clock
+    agent = loop.Agent(source, config, clock=clock)
     agent.state = runstate.RunState(str(tmp_path), "/sys/fs/cgroup", source.description)
     syncs: list[tuple[float, bool, int]] = []
     queued: list[float] = []
@@ -304,7 +306,7 @@ def agent_run(tmp_path, changes: list[float], until: float, removed_at: float = 
         return loop.SyncResult(full=full, writes=0, seconds=0.0, failed=0, services_changed=0)
 
     class Observer:
-        def queued(self, when: float) -> None:
+        def queued(self, when: float, pending: tuple[int, int]) -> None:
             queued.append(clock.now)
 
         def synced(self, result) -> None:

@@ -1,33 +1,20 @@
-"""What the agent's syncs make of health and metrics (kpr/agent/telemetry.py)."""
+"""What the agent's syncs make of health and metrics (kpr/agent/telemetry.py): fed only
+from what each sync reports, with no agent behind it."""
 
 from __future__ import annotations
 
 from pathlib import Path
-from types import SimpleNamespace
 
 from kpr.agent.loop import SyncResult
 from kpr.agent.telemetry import Telemetry
 from kpr.health.proxier import ProxyHealth
-from kpr.model import Translation
 from kpr.node.host import KernelHeaders
 from kpr.observe.metrics import Metrics
 
 
-def attached(
-    desired: Translation, kernel_headers: KernelHeaders | None = None
-) -> tuple[Telemetry, Metrics]:
+def observer(kernel_headers: KernelHeaders | None = None) -> tuple[Telemetry, Metrics]:
     metrics = Metrics()
-    telemetry = Telemetry(ProxyHealth(30.0), metrics)
-    agent = SimpleNamespace(
-        observers=[],
-        maps=None,
-        desired=desired,
-        node_deleting=False,
-        map_fill=dict,
-        kernel_headers=kernel_headers,
-    )
-    telemetry.attach(agent)  # type: ignore[arg-type]
-    return telemetry, metrics
+    return Telemetry(ProxyHealth(30.0), metrics, kernel_headers), metrics
 
 
 def value(metrics: Metrics, name: str, **labels: str) -> float | None:
@@ -35,20 +22,28 @@ def value(metrics: Metrics, name: str, **labels: str) -> float | None:
 
 
 def test_no_local_endpoints_gauge_sums_the_services_after_each_sync() -> None:
-    desired = Translation(no_local_endpoints={("a", "web"): (2, 1), ("b", "db"): (1, 0)})
-    telemetry, metrics = attached(desired)
-    telemetry.synced(SyncResult(full=True, writes=1, seconds=0.01, failed=0, services_changed=-1))
+    telemetry, metrics = observer()
+    telemetry.synced(
+        SyncResult(
+            full=True,
+            writes=1,
+            seconds=0.01,
+            failed=0,
+            services_changed=-1,
+            no_local_endpoints=(3, 1),  # ("a", "web"): (2, 1), ("b", "db"): (1, 0)
+        )
+    )
     name = "kubeproxy_sync_proxy_rules_no_local_endpoints_total"
     assert value(metrics, name, traffic_policy="internal") == 3
     assert value(metrics, name, traffic_policy="external") == 1
-    desired.no_local_endpoints.clear()  # a local endpoint came up: back to 0
+    # a local endpoint came up: back to 0
     telemetry.synced(SyncResult(full=False, writes=1, seconds=0.01, failed=0, services_changed=1))
     assert value(metrics, name, traffic_policy="internal") == 0
     assert value(metrics, name, traffic_policy="external") == 0
 
 
 def test_drift_repairs_are_counted_by_what_was_repaired() -> None:
-    telemetry, metrics = attached(Translation())
+    telemetry, metrics = observer()
     quiet = SyncResult(full=True, writes=0, seconds=0.01, failed=0, services_changed=-1)
     telemetry.synced(quiet)
     name = "kpr_drift_repairs_total"
@@ -72,23 +67,41 @@ def test_a_draining_node_makes_healthz_unhealthy_after_the_next_sync() -> None:
     metrics = Metrics()
     health = ProxyHealth(30.0)
     telemetry = Telemetry(health, metrics)
-    agent = SimpleNamespace(
-        observers=[],
-        maps=None,
-        desired=Translation(),
-        node_deleting=True,
-        map_fill=dict,
-        kernel_headers=None,
+    telemetry.synced(
+        SyncResult(
+            full=True, writes=0, seconds=0.01, failed=0, services_changed=-1, node_deleting=True
+        )
     )
-    telemetry.attach(agent)  # type: ignore[arg-type]
-    telemetry.synced(SyncResult(full=True, writes=0, seconds=0.01, failed=0, services_changed=-1))
     assert health.snapshot()["nodeEligible"] is False
     assert health.healthy()  # /livez ignores the Node
 
 
 def test_the_kernel_headers_compiled_against_are_an_info_series() -> None:
     shipped = KernelHeaders("shipped", Path("/usr/lib/kpr/kernel-headers"), "6.1.0-57-amd64")
-    _, metrics = attached(Translation(), shipped)
+    _, metrics = observer(shipped)
     name = "kpr_kernel_headers_info"
     assert value(metrics, name, origin="shipped", release="6.1.0-57-amd64") == 1
     assert value(metrics, name, origin="node", release="6.1.0-57-amd64") is None
+
+
+def test_map_fill_comes_with_full_syncs_and_a_partial_one_leaves_it() -> None:
+    telemetry, metrics = observer()
+    fill = {"services4": (120, 65536), "backends4": (30, 65536)}
+    telemetry.synced(
+        SyncResult(full=True, writes=1, seconds=0.01, failed=0, services_changed=-1, map_fill=fill)
+    )
+    assert value(metrics, "kpr_map_entries", map="services4") == 120
+    assert value(metrics, "kpr_map_max_entries", map="backends4") == 65536
+    telemetry.synced(SyncResult(full=False, writes=1, seconds=0.01, failed=0, services_changed=1))
+    assert value(metrics, "kpr_map_entries", map="services4") == 120
+
+
+def test_changes_waiting_are_reported_when_queued_and_cleared_by_the_sync() -> None:
+    telemetry, metrics = observer()
+    telemetry.queued(1000.0, (4, 4))
+    assert value(metrics, "kubeproxy_sync_proxy_rules_service_changes_pending") == 4
+    assert value(metrics, "kubeproxy_sync_proxy_rules_endpoint_changes_pending") == 4
+    assert value(metrics, "kubeproxy_sync_proxy_rules_last_queued_timestamp_seconds") == 1000.0
+    telemetry.synced(SyncResult(full=False, writes=1, seconds=0.01, failed=0, services_changed=4))
+    assert value(metrics, "kubeproxy_sync_proxy_rules_service_changes_pending") == 0
+    assert value(metrics, "kubeproxy_sync_proxy_rules_endpoint_changes_pending") == 0
