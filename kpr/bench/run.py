@@ -866,36 +866,29 @@ class Kpr(Mode):
                 "map_writes": result.writes}  # fmt: skip
 
     def change(self, bl: BenchLab, services: ServiceSet, changed: dict[int, ServicePort]) -> dict:
-        """Two figures. ``change_s``: Agent.sync of a snapshot naming just the changed Service,
-        as the Kubernetes watch source hands one over after an EndpointSlice event (the
-        objects are validated beforehand, as the watch does on arrival). ``manifest_change_s``:
-        the same edit made to the manifest directory, which that source answers with a full
-        snapshot, so the agent re-translates every Service."""
-        from kpr.model import Snapshot
-        from kpr.sources.manifests import ManifestSource
-
+        """Two figures, both from an edit of the changed Service's manifest file, which the
+        manifest source answers with a snapshot of that Service alone (as the Kubernetes
+        source does after an EndpointSlice event). ``change_s``: Agent.sync of that snapshot
+        (the objects parsed and validated beforehand, as the watch does on arrival).
+        ``manifest_change_s``: the edit back, from reading the directory to maps written."""
         directory, file_of = self._manifests()
         assert self.agent is not None
-        new_ports = list(changed.values())
-        name = new_ports[0].name
-        with tempfile.TemporaryDirectory() as one:
-            (Path(one) / "changed.yaml").write_text(
-                yaml.dump_all(_manifest_docs(new_ports), Dumper=yaml.SafeDumper)
-            )
-            parsed = ManifestSource(Path(one)).poll()
-        assert parsed is not None
-        event = Snapshot(parsed.services, parsed.slices, [], changed={(NAMESPACE, name)})
+        source = self.agent.source
+        file_name = file_of[next(iter(changed.values())).name]
+        in_file = [i for i, sp in enumerate(services.ports) if file_of[sp.name] == file_name]
+        rewrite_manifest(directory, file_name, [changed.get(i, services.ports[i]) for i in in_file])
+        snapshot = source.poll()
+        if snapshot is None or snapshot.changed is None:
+            raise ModeFailed("kpr: the manifest source did not hand over the change alone")
         started = time.perf_counter()
-        result = self.agent.sync(event)
+        result = self.agent.sync(snapshot)
         change_s = time.perf_counter() - started
         if result.failed or not result.writes:
             raise ModeFailed("kpr: the endpoint change was not applied")
-        # back to the original, through the manifest directory this time
-        file_name = file_of[name]
-        in_file = [i for i, sp in enumerate(services.ports) if file_of[sp.name] == file_name]
+        # back to the original, the directory read on the clock this time
         rewrite_manifest(directory, file_name, [services.ports[i] for i in in_file])
         started = time.perf_counter()
-        snapshot = self.agent.source.poll()
+        snapshot = source.poll()
         undo = self.agent.sync(snapshot)
         manifest_s = time.perf_counter() - started
         if snapshot is None or undo.failed or not undo.writes:
