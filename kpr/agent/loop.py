@@ -1,4 +1,9 @@
-"""The agent: source → translate → plan → ordered map writes, in a loop.
+"""The agent: source → desired state → plan → ordered map writes, in a loop.
+
+One way, as kube-proxy: a source's change tracker (kpr/sources/tracker.py) hands over the
+Services that changed, the desired state (kpr/desired/state.py) folds them in, the plan
+writes the frontends they touched, and the runner (runner.py) decides when; observers
+(telemetry.py) are told what each sync did (`SyncResult`) and never consulted.
 
 Start-up adopts whatever a previous run left pinned (maps are read, never
 flushed), and the first sync writes only the difference. Afterwards only
