@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Collection, Iterable
 
-from kpr.desired.translate import owned_slices, translate_service
+from kpr.desired.translate import orphan_slices, translate_service
 from kpr.model import (
     EndpointSlice,
     Frontend,
@@ -63,7 +63,6 @@ class DesiredState:
         """Fold in the objects of the `changed` Services (`services` and `slices` hold all
         of theirs that exist), or with None the whole state. The frontends whose desired
         state may have changed (None: all of them)."""
-        services = list(services)
         by_key = {(s.namespace, s.name): s for s in services}
         slices_of: dict[ServiceName, list[EndpointSlice]] = {}
         for endpoint_slice in slices:
@@ -77,19 +76,20 @@ class DesiredState:
         else:
             keys = changed
         touched: set[Frontend] = set()
-        for key in keys:
-            touched.update(self._withdraw(key))
+        if changed is not None:
+            for key in keys:
+                touched.update(self._withdraw(key))
         for key in keys:
             service = by_key.get(key)
-            problems: list[Problem] = []
-            # a slice naming a Service that does not exist is a problem (of that Service)
-            owned = owned_slices([service] if service else [], slices_of.get(key, []), problems)
-            if service is not None:
-                translation = translate_service(service, owned.get(key, []), node)
-                problems.extend(translation.problems)
-                touched.update(self._claim(key, translation))
-            if problems:
-                self._problems[key] = problems
+            if service is None:  # gone; slices left name it: a problem of that name
+                orphans = orphan_slices(slices_of.get(key, ()))
+                if orphans:
+                    self._problems[key] = orphans
+                continue
+            translation = translate_service(service, slices_of.get(key, ()), node)
+            if translation.problems:
+                self._problems[key] = translation.problems
+            touched.update(self._claim(key, translation))
         for frontend in touched:
             self._resolve(frontend)
         self._collect_problems()

@@ -7,7 +7,6 @@ topology.go (which of them receive traffic on this node).
 
 from __future__ import annotations
 
-from collections import defaultdict
 from collections.abc import Iterable, Iterator, Mapping
 from ipaddress import IPv4Address
 
@@ -25,7 +24,6 @@ from kpr.model import (
     NodeContext,
     Problem,
     Service,
-    ServiceName,
     ServicePort,
     Translation,
 )
@@ -38,12 +36,17 @@ LOCALHOST = IPv4Address("127.0.0.1")
 def translate_service(
     service: Service, slices: Iterable[EndpointSlice], node: NodeContext
 ) -> Translation:
-    """One Service's own frontends (`slices`: its IP slices). Whether another Service
-    claims one of them too is for the desired state to decide (kpr/desired/state.py)."""
+    """One Service's own frontends, from its slices (those labelled with its name).
+    Whether another Service claims one of them too is for the desired state to decide
+    (kpr/desired/state.py)."""
     translation = Translation()
     if is_served(service, node):
-        ordered = sorted(slices, key=lambda s: (s.namespace, s.name))
-        _translate_service(service, ordered, node, translation)
+        # sorted by name; FQDN slices are not proxied
+        ip_slices = sorted(
+            (s for s in slices if s.address_type in ("IPv4", "IPv6")),
+            key=lambda s: (s.namespace, s.name),
+        )
+        _translate_service(service, ip_slices, node, translation)
         key = (service.namespace, service.name)
         translation.owners = dict.fromkeys(translation.frontends, key)
     return translation
@@ -251,27 +254,16 @@ def is_served(service: Service, node: NodeContext) -> bool:
     return proxy_name is None or proxy_name == node.proxy_name
 
 
-def owned_slices(
-    services: Iterable[Service], slices: Iterable[EndpointSlice], problems: list[Problem]
-) -> dict[ServiceName, list[EndpointSlice]]:
-    """The IP slices of each Service, sorted by name; a slice naming no Service is a problem."""
-    known = {(service.namespace, service.name) for service in services}
-    owned: dict[ServiceName, list[EndpointSlice]] = defaultdict(list)
-    for endpoint_slice in sorted(slices, key=lambda s: (s.namespace, s.name)):
-        if endpoint_slice.service_name is None:
-            continue  # not managed for a Service
-        key = (endpoint_slice.namespace, endpoint_slice.service_name)
-        if key not in known:
-            problems.append(
-                Problem(
-                    f"names Service {key[0]}/{key[1]}, which does not exist",
-                    ref=endpoint_slice.ref,
-                    field=f"metadata.labels[{SERVICE_NAME_LABEL}]",
-                )
-            )
-        elif endpoint_slice.address_type in ("IPv4", "IPv6"):  # FQDN slices are not proxied
-            owned[key].append(endpoint_slice)
-    return owned
+def orphan_slices(slices: Iterable[EndpointSlice]) -> list[Problem]:
+    """Slices that name a Service which does not exist: a problem each."""
+    return [
+        Problem(
+            f"names Service {s.namespace}/{s.service_name}, which does not exist",
+            ref=s.ref,
+            field=f"metadata.labels[{SERVICE_NAME_LABEL}]",
+        )
+        for s in sorted(slices, key=lambda s: (s.namespace, s.name))
+    ]
 
 
 def merge_endpoints(port: ServicePort, slices: Iterable[EndpointSlice]) -> dict[Backend, Endpoint]:
