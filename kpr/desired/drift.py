@@ -29,7 +29,7 @@ class Entry:
     service: str | None = None  # "namespace/name:port", to name it in reports
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, order=True)
 class Drift:
     frontend: str
     what: str
@@ -46,12 +46,12 @@ def drift(
     """The frontends whose entries differ: missing from `have`, holding other backends
     (or another service id), or in `have` though not wanted (`held` ones may be)."""
     out = []
-    for frontend, want in sorted(wanted.items(), key=lambda item: str(item[0])):
+    for frontend, want in wanted.items():
         named = f" ({want.service})" if want.service else ""
         got = have.get(frontend)
         if got is None:
             out.append(Drift(str(frontend), f"{named}: missing from the maps"))
-        elif Counter(got.backends) != Counter(want.backends):
+        elif got.backends != want.backends and Counter(got.backends) != Counter(want.backends):
             extra = sorted(str(b) for b in set(got.backends) - set(want.backends))
             missing = sorted(str(b) for b in set(want.backends) - set(got.backends))
             out.append(
@@ -68,9 +68,9 @@ def drift(
                     f"{named}: service id {got.service_id} in the maps, {want.service_id} written",
                 )
             )
+    out.sort(key=lambda d: d.frontend)  # (only what differs is named and sorted)
     unwanted = have.keys() - wanted.keys() - set(held)
-    for frontend in sorted(unwanted, key=str):
-        out.append(Drift(str(frontend), ": in the maps but not wanted"))
+    out.extend(sorted(Drift(str(f), ": in the maps but not wanted") for f in unwanted))
     return out
 
 
