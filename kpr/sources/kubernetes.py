@@ -169,7 +169,7 @@ class Watcher(threading.Thread):
         def items() -> Iterator[dict]:
             token = None
             while True:
-                extra = {"_continue": token} if token else {}
+                extra: dict[str, str] = {"_continue": token} if token else {}
                 response = self.list_fn(
                     **self.selectors,
                     limit=LIST_PAGE,
@@ -273,31 +273,31 @@ class KubernetesSource:
         self._on_invalid = on_invalid or (lambda kind: None)
         core = client.CoreV1Api(api)
         discovery = client.DiscoveryV1Api(api)
-        common = {
-            "watch_timeout": watch_timeout,
-            "request_timeout": request_timeout,
-            "report": report,
-        }
+
+        def watcher(
+            name: str, fn: Callable, label: str | None = None, field: str | None = None
+        ) -> Watcher:
+            return Watcher(
+                name,
+                fn,
+                self._listed,
+                self._event,
+                self._stop,
+                label,
+                field,
+                watch_timeout=watch_timeout,
+                request_timeout=request_timeout,
+                report=report,
+            )
+
         self.watchers: list[Watcher] = []
         for i, selector in enumerate(label_selectors(proxy_name)):
             for name, fn in (
                 (f"services-{i}", core.list_service_for_all_namespaces),
                 (f"endpointslices-{i}", discovery.list_endpoint_slice_for_all_namespaces),
             ):
-                self.watchers.append(
-                    Watcher(name, fn, self._listed, self._event, self._stop, selector, **common)
-                )
-        self.watchers.append(
-            Watcher(
-                "node",
-                core.list_node,
-                self._listed,
-                self._event,
-                self._stop,
-                field_selector=f"metadata.name={node_name}",
-                **common,
-            )
-        )
+                self.watchers.append(watcher(name, fn, label=selector))
+        self.watchers.append(watcher("node", core.list_node, field=f"metadata.name={node_name}"))
 
     def start(self) -> None:
         for watcher in self.watchers:
@@ -603,7 +603,8 @@ def api_client(
             token_file = os.path.join(
                 os.path.dirname(os.path.abspath(kubeconfig)), user["tokenFile"]
             )
-            configuration.refresh_api_key_hook = _reread_token(token_file)
+            # (the client declares the hook's default, None, as its type)
+            configuration.refresh_api_key_hook = _reread_token(token_file)  # type: ignore[assignment]
     elif os.path.exists(SERVICE_TOKEN_FILENAME):
         environ = dict(os.environ)
         if master:  # the loader insists on these; the host is replaced below anyway
