@@ -25,6 +25,9 @@ def heartbeat(rv: str, **extra: object) -> dict:
     )
 
 
+FIRST_SLICE = endpoint_slice("web", [], [])["metadata"]["name"]  # the fixture's
+
+
 @pytest.fixture
 def source() -> KubernetesSource:
     source = KubernetesSource(api_client(None, "http://127.0.0.1:1"), "node-1")
@@ -132,3 +135,34 @@ def test_resync_makes_the_next_poll_return_everything(source: KubernetesSource) 
     assert source.wait(0)
     snapshot = source.poll()
     assert snapshot is not None and snapshot.changed is None and len(snapshot.services) == 1
+
+
+def test_a_slice_event_hands_over_its_service_alone_with_all_of_its_slices(
+    source: KubernetesSource,
+) -> None:
+    db = service("db", ["10.96.0.11"], [("http", 80, "TCP")])
+    source._event("services-0", "ADDED", db)
+    assert source.pending() == (1, 1)
+    change = source.poll()
+    assert change is not None and change.changed == {("default", "db")}
+    assert [s.name for s in change.services] == ["db"] and change.slices == []
+    second = endpoint_slice("web", ["10.244.0.6"], [("http", 8080, "TCP")], name="web-2")
+    source._event("endpointslices-0", "ADDED", second)
+    change = source.poll()
+    assert change is not None and change.changed == {("default", "web")}
+    assert [s.name for s in change.services] == ["web"]
+    assert sorted(s.name for s in change.slices) == sorted([FIRST_SLICE, "web-2"])
+    assert source.poll() is None
+
+
+def test_a_service_moving_between_the_two_watches_is_kept_whatever_the_order(
+    source: KubernetesSource,
+) -> None:
+    """Relabelled to name kpr as its proxy: the second watch adds it, the first deletes it,
+    in either order."""
+    web = service("web", ["10.96.0.10"], [("http", 80, "TCP")])
+    source._event("services-1", "ADDED", web)
+    source._event("services-0", "DELETED", web)
+    change = source.poll()
+    assert change is not None and [s.name for s in change.services] == ["web"]
+    assert [s.name for s in change.slices] == [FIRST_SLICE]
