@@ -155,11 +155,11 @@ def test_a_slice_event_hands_over_its_service_alone_with_all_of_its_slices(
     assert source.poll() is None
 
 
-def test_a_service_moving_between_the_two_watches_is_kept_whatever_the_order(
+def test_a_service_the_second_watch_adds_before_the_first_deletes_it_is_kept(
     source: KubernetesSource,
 ) -> None:
-    """Relabelled to name kpr as its proxy: the second watch adds it, the first deletes it,
-    in either order."""
+    """Relabelled to name kpr as its proxy, it moves from one label selector's watch to the
+    other's: events of two watches come in no set order."""
     web = service("web", ["10.96.0.10"], [("http", 80, "TCP")])
     source._event("services-1", "ADDED", web)
     source._event("services-0", "DELETED", web)
