@@ -29,7 +29,9 @@ from kpr.model import (
 
 def keeps(claimants: Iterable[ServiceName]) -> ServiceName:
     """Which of the Services claiming one frontend keeps it: the first by namespace, then
-    name (what kube-proxy's sorted Service maps give, and stable across restarts)."""
+    name. Not the oldest (the model has no creationTimestamp, manifests rarely carry one),
+    nor the one holding it (which a restart forgets): a function of the names alone gives
+    every node, and every agent after a restart, the same answer."""
     return min(claimants)
 
 
