@@ -391,7 +391,7 @@ class Agent:
             # (a previous run may have stopped between the two)
             self.maps.write_slot_blocks(slot_blocks(reread.services.values()))
         problems = self.source_problems + self.desired.problems
-        self._report(problems)
+        problems_changed = self._report(problems)
         udp_before = self._udp_backends(touched)
         if snapshot is not None or full:
             # before the backends: a flow to a new local one must not be masqueraded
@@ -421,7 +421,7 @@ class Agent:
         listed = getattr(self.source, "synced_at", None)
         if self.state.first_sync_after_list is None and listed:
             self.state.first_sync_after_list = time.time() - listed
-        if full or writes:
+        if full or writes or problems_changed:
             # serialising the whole desired state grows with the Services: on
             # the partial path it is left to the run loop, once things are quiet
             self._unsaved = (result.failed, problems, time.time())
@@ -635,12 +635,14 @@ class Agent:
         capacity = {"services": sizes.services, "backends": sizes.backends, "revnat": sizes.revnat}
         return {name: (count, capacity[name[:-1]]) for name, count in used.items()}
 
-    def _report(self, problems: list[Problem]) -> None:
-        """Log each problem once, while it lasts."""
+    def _report(self, problems: list[Problem]) -> bool:
+        """Log each problem once, while it lasts; whether they changed (a bad edit that
+        changes no object is recorded for `kpr status` all the same)."""
         current = {str(p) for p in problems}
         for text in sorted(current - self._reported):
             log.warning("%s", text)
-        self._reported = current
+        changed, self._reported = current != self._reported, current
+        return changed
 
     def stood_down(self) -> bool:
         """Whether `kpr cleanup --force` removed this agent's programs and pins. It then
