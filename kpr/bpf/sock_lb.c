@@ -243,6 +243,8 @@ static __always_inline void remember_revnat(__u64 cookie, const __u32 *service,
 static __always_inline bool recall_revnat(__u64 cookie, __u32 *address, __u32 *port, int words)
 {
 	__u16 backend_port = bpf_ntohs((__u16)*port);
+	const __u32 *service;
+	__u16 service_port;
 
 	if (words == 1) {
 		struct kpr_sock_revnat4_key rkey = { .cookie = cookie, .port = backend_port };
@@ -252,19 +254,24 @@ static __always_inline bool recall_revnat(__u64 cookie, __u32 *address, __u32 *p
 		rval = kpr_sock_revnat4.lookup(&rkey);
 		if (!rval)
 			return false;
-		__builtin_memcpy(address, rval->address, 4);
-		*port = bpf_htons(rval->port);
-		return true;
-	}
-	struct kpr_sock_revnat6_key rkey = { .cookie = cookie, .port = backend_port };
-	struct kpr_revnat6 *rval;
+		service = (const __u32 *)rval->address;
+		service_port = rval->port;
+	} else {
+		struct kpr_sock_revnat6_key rkey = { .cookie = cookie, .port = backend_port };
+		struct kpr_revnat6 *rval;
 
-	__builtin_memcpy(rkey.address, address, 16);
-	rval = kpr_sock_revnat6.lookup(&rkey);
-	if (!rval)
-		return false;
-	__builtin_memcpy(address, rval->address, 16);
-	*port = bpf_htons(rval->port);
+		__builtin_memcpy(rkey.address, address, 16);
+		rval = kpr_sock_revnat6.lookup(&rkey);
+		if (!rval)
+			return false;
+		service = (const __u32 *)rval->address;
+		service_port = rval->port;
+	}
+#pragma unroll
+	for (int i = 0; i < 4; i++)
+		if (i < words)
+			address[i] = service[i];
+	*port = bpf_htons(service_port);
 	return true;
 }
 
