@@ -324,3 +324,21 @@ def test_service_ids_of_deleted_frontends_are_reused_and_a_live_ones_never_chang
         f: s.service_id for f, s in programmed.services.items()
     }
     assert maps.read().free_service_ids == programmed.free_service_ids
+
+
+def test_a_deleted_frontends_service_id_goes_to_a_later_plans_new_frontend():
+    """Slots are keyed by service id: an id freed by a plan is given by a later one only,
+    once every entry of its previous frontend is gone (the strict maps check after every
+    single operation that no two masters share an id and every counted slot is there)."""
+    maps = strict_maps()
+    sync(maps, want(a=[1, 2], b=[3]))
+    freed = maps.read().services[fe(1)].service_id
+    sync(maps, want(b=[3], c=[4]))  # a goes as c comes: c takes a new id
+    assert maps.read().services[fe(3)].service_id != freed
+    assert maps.read().free_service_ids == [freed]
+    sync(maps, want(b=[3], c=[4], d=[5, 6]))  # the next new frontend takes a's
+    assert maps.read().services[fe(4)].service_id == freed
+    assert served(maps)[fe(4)] == {be(5), be(6)}
+    assert set(maps.slots) == {
+        (s.service_id, i) for s in maps.read().services.values() for i in (1, 2)[: len(s.slots)]
+    }
