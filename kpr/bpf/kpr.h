@@ -35,7 +35,7 @@
  *                            Local while other nodes have some: dropped, as
  *                            kube-proxy does, instead of refused
  *
- * Which clients a frontend entry serves (service key .scope). A NodePort,
+ * Which clients a frontend entry serves (frontend key .scope). A NodePort,
  * LoadBalancer IP or external IP has an entry in each: processes and pods on
  * the node reach every endpoint, while external traffic follows
  * externalTrafficPolicy (Local: this node's endpoints only).

@@ -392,7 +392,7 @@ def constants() -> dict[str, int]:
         "KPR_BLOCK_SLOTS": BLOCK_SLOTS,
         "KPR_SVC_F_SOURCE_RANGES": SVC_F_SOURCE_RANGES,
         "KPR_SVC_F_DROP": SVC_F_DROP,
-        "KPR_SCOPE_SOCKET": model.SOCKET,  # the service key's scope: Frontend.scope
+        "KPR_SCOPE_SOCKET": model.SOCKET,  # the frontend key's scope: Frontend.scope
         "KPR_SCOPE_EXTERNAL": model.EXTERNAL,
         "KPR_CT_F_SNAT": CT_F_SNAT,
         "KPR_DEVICE_F_REPLIES": DEVICE_F_REPLIES,
