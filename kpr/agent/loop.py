@@ -621,19 +621,19 @@ class Agent:
         the agent wrote (reading the kernel maps would walk every key)."""
         sizes = self.config.sizes
         programmed = self.programmed
-        used = dict.fromkeys(
-            (f"{m}{v}" for m in ("services", "backends", "revnat") for v in (4, 6)), 0
-        )
+        used: dict[str, int] = {}
         # (isinstance, not .version: a property call each, for 100,000s of backends)
-        for frontend, service in programmed.services.items():
-            v = 6 if isinstance(frontend.address, IPv6Address) else 4
-            used[f"services{v}"] += 1 + len(service.slots)
-        for name, targets in (("backends", programmed.backends), ("revnat", programmed.revnat)):
-            v6 = sum(isinstance(t.address, IPv6Address) for t in targets.values())
-            used[f"{name}6"] = v6
+        for name, targets in (
+            ("services", programmed.services.keys()),
+            ("backends", programmed.backends.values()),
+            ("revnat", programmed.revnat.values()),
+        ):
+            v6 = sum(isinstance(t.address, IPv6Address) for t in targets)
             used[f"{name}4"] = len(targets) - v6
-        capacity = {"services": sizes.services, "backends": sizes.backends, "revnat": sizes.revnat}
-        return {name: (count, capacity[name[:-1]]) for name, count in used.items()}
+            used[f"{name}6"] = v6
+        used["slots"] = sum(len(s.slots) for s in programmed.services.values())
+        # (each map's MapSizes field: its name without the family)
+        return {name: (count, getattr(sizes, name.rstrip("46"))) for name, count in used.items()}
 
     def _report(self, problems: list[Problem]) -> bool:
         """Log each problem once, while it lasts; whether they changed (a bad edit that

@@ -9,7 +9,7 @@
  *   KPR_ABI_VERSION      pinned map names start with "v<version>_"
  *   KPR_BLOCK_SLOTS, KPR_SVC_F_*, KPR_SCOPE_*, KPR_STAT_*, KPR_CT_F_*, KPR_DEVICE_F_*
  *   KPR_<SIZE>_MAX       max_entries (abi.MapSizes, --map-sizes): KPR_SERVICES_MAX,
- *                        KPR_BACKENDS_MAX, KPR_REVNAT_MAX, KPR_SOCK_REVNAT_MAX,
+ *                        KPR_SLOTS_MAX, KPR_BACKENDS_MAX, KPR_REVNAT_MAX, KPR_SOCK_REVNAT_MAX,
  *                        KPR_SOCK_PEERS_MAX, KPR_AFFINITY_MAX, KPR_CT_MAX,
  *                        KPR_SOURCE_RANGES_MAX; fixed ones: KPR_DEVICES_MAX,
  *                        KPR_NODE_PORTS_MAX, KPR_LOCAL_ENDPOINTS_MAX
@@ -35,7 +35,7 @@
  *                            Local while other nodes have some: dropped, as
  *                            kube-proxy does, instead of refused
  *
- * Which clients a frontend entry serves (service key .scope). A NodePort,
+ * Which clients a frontend entry serves (frontend key .scope). A NodePort,
  * LoadBalancer IP or external IP has an entry in each: processes and pods on
  * the node reach every endpoint, while external traffic follows
  * externalTrafficPolicy (Local: this node's endpoints only).
@@ -57,43 +57,45 @@
 
 /* Addresses are byte arrays in network order and ports are in host order, so
  * `bpftool map dump` shows them as people read them ([10,96,0,10], 80). */
-/* `slot` (and kpr_affinity's) was a __u16 and its zero padding while a frontend
- * had at most 4,096 backends: on a little-endian machine the bytes of every slot
- * below 65,536 are the same, so the maps pinned by that layout are read and
- * written by both, and an upgrade keeps them (tests/kernel/test_agent.py). */
-struct kpr_service4_key {
+
+/* kpr_services4/6: a frontend -> its master entry. One entry per frontend: its
+ * slots are in kpr_slots, under its service id, for both families alike. */
+struct kpr_frontend4_key {
 	__u8 address[4];  /* ClusterIP, node address, LoadBalancer IP or external IP */
 	__u16 port;
 	__u8 protocol;    /* IPPROTO_TCP / IPPROTO_UDP */
 	__u8 scope;       /* KPR_SCOPE_* */
-	__u32 slot;       /* 0: master entry, 1..count: backend slots */
 };
 
-struct kpr_service6_key {
+struct kpr_frontend6_key {
 	__u8 address[16];
 	__u16 port;
 	__u8 protocol;
 	__u8 scope;
+};
+
+/* A frontend's master entry: slots 1..count hold its backends. */
+struct kpr_service {
+	__u32 count;
+	__u32 service_id;       /* names its slots, reverse entry, affinity, source ranges */
+	__u32 flags;            /* KPR_SVC_F_* */
+	__u32 affinity_timeout; /* seconds; 0: no session affinity */
+};
+
+/* kpr_slots: (service id, slot 1..count) -> backend id, for every frontend of
+ * both families and both scopes. The agent writes a frontend's slots before
+ * its master's count covers them, so a reader that sees the count finds them. */
+struct kpr_slot_key {
+	__u32 service_id;
 	__u32 slot;
 };
 
-/* Master entry (slot 0): count, service_id, flags. Slot entry: backend_id. */
-struct kpr_service {
-	__u32 backend_id;
-	__u32 count;
-	__u32 service_id;
-	__u32 flags;
-	__u32 affinity_timeout; /* seconds; 0: no session affinity */
-	__u32 pad;
-};
-
 /* The slots of a frontend with at most KPR_BLOCK_SLOTS backends, at index
- * service_id of an array: the socket hooks read the slot here, one array
- * access, instead of a hash lookup whose random bucket in a large map costs a
- * TLB miss on our VM. The slot entries in kpr_services4/6 stay the source of
- * truth: a block is written with them, before the master, and backend id 0
- * (a slot past the block, or not yet written) sends the reader to the slot
- * entry. */
+ * service_id of an array: the slot is read here, one array access, instead of
+ * a hash lookup whose random bucket in a large map costs a TLB miss on our VM.
+ * The kpr_slots entries stay the source of truth: a block is written with
+ * them, before the master, and backend id 0 (a slot past the block, or not yet
+ * written) sends the reader to the kpr_slots entry. */
 struct kpr_slot_block {
 	__u32 backend_ids[KPR_BLOCK_SLOTS]; /* slot 1 at index 0 */
 };
@@ -273,10 +275,12 @@ struct kpr_config {
 /* "<KPR_PIN_DIR>/v<KPR_ABI_VERSION>_<name>", as abi.PIN_PREFIX */
 #define KPR_PIN(name) KPR_PIN_DIR "/v" KPR_STR(KPR_ABI_VERSION) "_" name
 
-BPF_TABLE_PINNED("hash", struct kpr_service4_key, struct kpr_service, kpr_services4,
+BPF_TABLE_PINNED("hash", struct kpr_frontend4_key, struct kpr_service, kpr_services4,
 		 KPR_SERVICES_MAX, KPR_PIN("services4"), BPF_F_NO_PREALLOC);
-BPF_TABLE_PINNED("hash", struct kpr_service6_key, struct kpr_service, kpr_services6,
+BPF_TABLE_PINNED("hash", struct kpr_frontend6_key, struct kpr_service, kpr_services6,
 		 KPR_SERVICES_MAX, KPR_PIN("services6"), BPF_F_NO_PREALLOC);
+BPF_TABLE_PINNED("hash", struct kpr_slot_key, __u32, kpr_slots, KPR_SLOTS_MAX, KPR_PIN("slots"),
+		 BPF_F_NO_PREALLOC);
 BPF_TABLE_PINNED("hash", __u32, struct kpr_backend4, kpr_backends4,
 		 KPR_BACKENDS_MAX, KPR_PIN("backends4"), BPF_F_NO_PREALLOC);
 BPF_TABLE_PINNED("hash", __u32, struct kpr_backend6, kpr_backends6,

@@ -25,6 +25,7 @@
  * after kpr's must still see the packet.
  */
 #include "kpr.h"
+#include "lb.h"
 #include <linux/in.h>
 #include <linux/if_ether.h>
 #include <linux/ip.h>
@@ -65,14 +66,6 @@ struct icmp_unreach {
 	__u16 csum;
 	__u32 unused;
 };
-
-static __always_inline void stat_inc(__u32 outcome)
-{
-	__u64 *counter = kpr_stats.lookup(&outcome);
-
-	if (counter)
-		*counter += 1; /* per-CPU: no atomic needed */
-}
 
 static __always_inline bool is_v6(const struct flow *f)
 {
@@ -396,7 +389,7 @@ static __always_inline int reject(struct __sk_buff *skb, const struct flow *f)
 	__u32 zero = 0, len;
 	union reply *r;
 
-	stat_inc(KPR_STAT_EXTERNAL_REJECTED);
+	kpr_stat_inc(KPR_STAT_EXTERNAL_REJECTED);
 	r = kpr_tc_scratch.lookup(&zero);
 	if (!r || bpf_skb_load_bytes(skb, 0, macs, sizeof(macs)) < 0)
 		return TC_ACT_SHOT;
@@ -415,48 +408,11 @@ static __always_inline int reject(struct __sk_buff *skb, const struct flow *f)
 	return bpf_redirect(skb->ifindex, 0);
 }
 
-/* A frontend's entry (slot 0: master) in the EXTERNAL scope. */
-static __always_inline struct kpr_service *frontend(const struct flow *f, __u32 slot)
+/* A frontend's master entry in the EXTERNAL scope. */
+static __always_inline struct kpr_service *frontend(const struct flow *f)
 {
-	if (is_v6(f)) {
-		struct kpr_service6_key key = {
-			.port = f->key.dport,
-			.protocol = f->key.protocol,
-			.scope = KPR_SCOPE_EXTERNAL,
-			.slot = slot,
-		};
-		__builtin_memcpy(key.address, f->key.daddr, 16);
-		return kpr_services6.lookup(&key);
-	}
-	struct kpr_service4_key key = {
-		.port = f->key.dport,
-		.protocol = f->key.protocol,
-		.scope = KPR_SCOPE_EXTERNAL,
-		.slot = slot,
-	};
-	__builtin_memcpy(key.address, f->key.daddr, 4);
-	return kpr_services4.lookup(&key);
-}
-
-/* Backend id -> address (16 bytes; IPv4 in the first 4) and port. */
-static __always_inline bool backend(const struct flow *f, __u32 id, __u8 *address, __u16 *port)
-{
-	if (is_v6(f)) {
-		struct kpr_backend6 *b = kpr_backends6.lookup(&id);
-
-		if (!b)
-			return false;
-		__builtin_memcpy(address, b->address, 16);
-		*port = b->port;
-		return true;
-	}
-	struct kpr_backend4 *b = kpr_backends4.lookup(&id);
-
-	if (!b)
-		return false;
-	__builtin_memcpy(address, b->address, 4);
-	*port = b->port;
-	return true;
+	return kpr_master(is_v6(f), f->key.daddr, f->key.dport, f->key.protocol,
+			  KPR_SCOPE_EXTERNAL);
 }
 
 /* An endpoint on this node (its EndpointSlice nodeName), as the agent knows. */
@@ -490,49 +446,27 @@ static __always_inline bool masquerade_address(const struct flow *f, __u32 ifind
 	return false;
 }
 
-/* A slot for a new flow: the client's remembered one under sessionAffinity
- * (while its timeout lasts and the slot still holds that backend), else a
- * uniformly random one. 0: the master counts a slot that is absent. */
-static __always_inline __u32 pick_slot(const struct flow *f, const struct kpr_service *master,
-				       __u32 *backend_id)
+/* A backend for a new flow (kpr_pick_slot), uniformly random. With
+ * sessionAffinity ClientIP the client is its source address: it keeps its
+ * backend for affinity_timeout seconds after its last new flow. */
+static __always_inline struct kpr_choice choose(const struct flow *f,
+						const struct kpr_service *master)
 {
 	struct kpr_affinity_ext_key akey = { .service_id = master->service_id };
-	struct kpr_service *slot = NULL;
-	__u32 timeout = master->affinity_timeout;
-	__u32 count = master->count;
-	__u64 now = 0;
-	__u32 n = 0;
+	struct kpr_affinity value;
+	struct kpr_choice choice;
+	__u64 now;
 
-	if (timeout) {
-		struct kpr_affinity *sticky;
-
-		now = bpf_ktime_get_ns();
-		__builtin_memcpy(akey.address, f->key.saddr, 16);
-		sticky = kpr_affinity_ext.lookup(&akey);
-		if (sticky && sticky->slot && sticky->slot <= count &&
-		    now - sticky->last_used_ns < (__u64)timeout * 1000000000ULL) {
-			__u32 remembered = sticky->backend_id;
-
-			n = sticky->slot;
-			slot = frontend(f, n);
-			if (!slot || slot->backend_id != remembered)
-				n = 0;
-		}
-	}
-	if (!n) {
-		n = bpf_get_prandom_u32() % count + 1;
-		slot = frontend(f, n);
-	}
-	if (!slot)
-		return 0;
-	*backend_id = slot->backend_id;
-	if (timeout) {
-		/* each new flow renews the affinity, as kube-proxy's `recent` match does */
-		struct kpr_affinity value = { .last_used_ns = now, .backend_id = *backend_id,
-					      .slot = n };
+	if (!master->affinity_timeout)
+		return kpr_pick_slot(master, bpf_get_prandom_u32(), NULL, 0);
+	__builtin_memcpy(akey.address, f->key.saddr, 16);
+	now = bpf_ktime_get_ns();
+	choice = kpr_pick_slot(master, bpf_get_prandom_u32(), kpr_affinity_ext.lookup(&akey), now);
+	if (choice.backend_id) {
+		value = kpr_affinity_of(choice, now);
 		kpr_affinity_ext.update(&akey, &value);
 	}
-	return n;
+	return choice;
 }
 
 /* The reply tuple of a packet sent as `to`: what kpr_nat is keyed by. */
@@ -585,12 +519,12 @@ static __always_inline int follow(struct __sk_buff *skb, const struct flow *f, s
 /* A new flow: to an EXTERNAL-scope frontend, or not ours. */
 static __always_inline int new_flow(struct __sk_buff *skb, struct flow *f)
 {
-	struct kpr_service *master = frontend(f, 0);
+	struct kpr_service *master = frontend(f);
 	struct kpr_flow_key to = f->key, rkey;
+	struct kpr_choice choice;
 	struct kpr_nat nat = {};
 	struct kpr_ct ct = {};
 	struct bpf_fib_lookup p;
-	__u32 backend_id = 0;
 	bool snat = false;
 	int fib_ret;
 
@@ -603,20 +537,20 @@ static __always_inline int new_flow(struct __sk_buff *skb, struct flow *f)
 		};
 		__builtin_memcpy(rk.address, f->key.saddr, 16);
 		if (!kpr_source_ranges.lookup(&rk)) {
-			stat_inc(KPR_STAT_EXTERNAL_DROPPED);
+			kpr_stat_inc(KPR_STAT_EXTERNAL_DROPPED);
 			return TC_ACT_SHOT;
 		}
 	}
 	if (master->count == 0 && (master->flags & KPR_SVC_F_DROP)) {
-		stat_inc(KPR_STAT_EXTERNAL_DROPPED);
+		kpr_stat_inc(KPR_STAT_EXTERNAL_DROPPED);
 		return TC_ACT_SHOT;
 	}
 	if (master->count == 0)
 		return reject(skb, f);
 	ct.service_id = master->service_id;
-	if (!pick_slot(f, master, &backend_id) ||
-	    !backend(f, backend_id, to.daddr, &to.dport)) {
-		stat_inc(KPR_STAT_BACKEND_MISSING);
+	choice = choose(f, master);
+	if (!choice.backend_id || !kpr_backend(is_v6(f), choice.backend_id, to.daddr, &to.dport)) {
+		kpr_stat_inc(KPR_STAT_BACKEND_MISSING);
 		return TC_ACT_SHOT;
 	}
 
@@ -659,13 +593,13 @@ static __always_inline int new_flow(struct __sk_buff *skb, struct flow *f)
 	}
 	__builtin_memcpy(ct.backend_address, to.daddr, 16);
 	ct.backend_port = to.dport;
-	ct.backend_id = backend_id;
+	ct.backend_id = choice.backend_id;
 	ct.last_seen_ns = nat.last_seen_ns;
 	kpr_ct.update(&f->key, &ct);
 
 	if (rewrite(skb, f, &to) < 0)
 		return TC_ACT_SHOT;
-	stat_inc(KPR_STAT_EXTERNAL_TRANSLATED);
+	kpr_stat_inc(KPR_STAT_EXTERNAL_TRANSLATED);
 	return snat ? send_on(skb, f, fib_ret, &p) : KPR_PASS;
 }
 
@@ -679,7 +613,7 @@ static __always_inline bool stale(const struct flow *f, const struct kpr_ct *ct)
 	if (f->key.protocol != IPPROTO_TCP ||
 	    (f->tcp_flags & (KPR_TCP_SYN | KPR_TCP_ACK)) != KPR_TCP_SYN)
 		return false;
-	if (!backend(f, ct->backend_id, address, &port))
+	if (!kpr_backend(is_v6(f), ct->backend_id, address, &port))
 		return true;
 	return port != ct->backend_port || !same_address(address, ct->backend_address);
 }

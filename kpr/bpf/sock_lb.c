@@ -7,6 +7,7 @@
  * application used.
  */
 #include "kpr.h"
+#include "lb.h"
 #include <linux/in.h>
 
 #define KPR_EADDRINUSE 98
@@ -20,72 +21,52 @@ enum kpr_pick {
 	KPR_PICK_MAP_ERROR,  /* master counts a slot or backend that is absent */
 };
 
-static __always_inline void stat_inc(__u32 outcome)
+/* TCP and connected UDP: uniform random. Unconnected UDP: by socket cookie, so
+ * one socket's datagrams keep going to one backend. */
+static __always_inline __u32 client_hash(__u64 cookie, bool by_cookie)
 {
-	__u64 *counter = kpr_stats.lookup(&outcome);
-
-	if (counter)
-		*counter += 1; /* per-CPU: no atomic needed */
-}
-
-/* TCP and connected UDP: uniform random. Unconnected UDP: by socket cookie,
- * so one socket's datagrams keep going to one backend. */
-static __always_inline __u32 pick_slot(__u32 count, __u64 cookie, bool by_cookie)
-{
-	__u32 n = by_cookie ? (__u32)(cookie ^ (cookie >> 32)) : bpf_get_prandom_u32();
-
-	return n % count + 1;
+	return by_cookie ? (__u32)(cookie ^ (cookie >> 32)) : bpf_get_prandom_u32();
 }
 
 static __always_inline int verdict(struct bpf_sock_addr *ctx, int pick)
 {
 	if (pick == KPR_PICK_REFUSE) {
-		stat_inc(KPR_STAT_NO_BACKEND);
+		kpr_stat_inc(KPR_STAT_NO_BACKEND);
 		bpf_set_retval(-KPR_ECONNREFUSED); /* what kube-proxy's REJECT gives */
 		return 0;
 	}
 	if (pick == KPR_PICK_MAP_ERROR) {
-		stat_inc(KPR_STAT_BACKEND_MISSING);
+		kpr_stat_inc(KPR_STAT_BACKEND_MISSING);
 		bpf_set_retval(-KPR_EHOSTUNREACH);
 		return 0;
 	}
 	if (pick == KPR_PICK_BACKEND)
-		stat_inc(KPR_STAT_TRANSLATED);
+		kpr_stat_inc(KPR_STAT_TRANSLATED);
 	return 1;
 }
 
-/* sessionAffinity ClientIP: the slot this client (its network namespace) used
- * while its timeout lasts, with the backend that was there; 0: none. */
-static __always_inline __u32 sticky_slot(struct bpf_sock_addr *ctx,
-					 const struct kpr_service *master, __u64 now,
-					 __u32 *backend_id)
+/* A backend for this socket (kpr_pick_slot). With sessionAffinity ClientIP the
+ * client is its network namespace (a pod): it keeps its backend for
+ * affinity_timeout seconds after its last connect. */
+static __always_inline struct kpr_choice choose(struct bpf_sock_addr *ctx,
+						const struct kpr_service *master, __u32 n)
 {
-	struct kpr_affinity_key akey = {
-		.netns_cookie = bpf_get_netns_cookie(ctx),
-		.service_id = master->service_id,
-	};
-	struct kpr_affinity *sticky = kpr_affinity.lookup(&akey);
+	struct kpr_affinity_key akey = {};
+	struct kpr_affinity value;
+	struct kpr_choice choice;
+	__u64 now;
 
-	if (!sticky || sticky->slot == 0 || sticky->slot > master->count)
-		return 0;
-	if (now - sticky->last_used_ns >= (__u64)master->affinity_timeout * 1000000000ULL)
-		return 0;
-	*backend_id = sticky->backend_id;
-	return sticky->slot;
-}
-
-/* Each connect renews the affinity, as kube-proxy's `recent` match does. */
-static __always_inline void remember_sticky(struct bpf_sock_addr *ctx,
-					    const struct kpr_service *master, __u32 slot,
-					    __u32 backend_id, __u64 now)
-{
-	struct kpr_affinity_key akey = {
-		.netns_cookie = bpf_get_netns_cookie(ctx),
-		.service_id = master->service_id,
-	};
-	struct kpr_affinity value = { .last_used_ns = now, .backend_id = backend_id, .slot = slot };
-
-	kpr_affinity.update(&akey, &value);
+	if (!master->affinity_timeout)
+		return kpr_pick_slot(master, n, NULL, 0);
+	akey.netns_cookie = bpf_get_netns_cookie(ctx);
+	akey.service_id = master->service_id;
+	now = bpf_ktime_get_ns();
+	choice = kpr_pick_slot(master, n, kpr_affinity.lookup(&akey), now);
+	if (choice.backend_id) {
+		value = kpr_affinity_of(choice, now);
+		kpr_affinity.update(&akey, &value);
+	}
+	return choice;
 }
 
 /* Compiler barrier: the ring's cookie is written after its slot is filled. */
@@ -149,7 +130,7 @@ static __always_inline void remember_peer(struct bpf_sock_addr *ctx, const __u32
 		return;
 	peer = kpr_sock_peer.sk_storage_get(sk, 0, BPF_SK_STORAGE_GET_F_CREATE);
 	if (!peer) {
-		stat_inc(KPR_STAT_REVNAT_FULL);
+		kpr_stat_inc(KPR_STAT_REVNAT_FULL);
 		return;
 	}
 	fill_peer(peer, service, service_port, backend, backend_port, words);
@@ -203,7 +184,7 @@ static __always_inline bool put_service(const struct kpr_sock_peer *peer, __u32 
 		if (i < words)
 			address[i] = service[i];
 	*port = bpf_htons(peer->service_port);
-	stat_inc(KPR_STAT_REVERSED);
+	kpr_stat_inc(KPR_STAT_REVERSED);
 	return true;
 }
 
@@ -230,185 +211,115 @@ static __always_inline bool recall_peer(struct bpf_sock_addr *ctx, __u32 *addres
 	return on_socket && put_service(on_socket, address, port, words);
 }
 
-/* The backend id of `slot` from the frontend's slot block; 0: read the slot entry. */
-static __always_inline __u32 block_backend(const struct kpr_service *master, __u32 slot)
+/* Unconnected UDP may send to several services: one entry per backend, kept by
+ * socket cookie in the LRU map of the family. */
+static __always_inline void remember_revnat(__u64 cookie, const __u32 *service,
+					    __u16 service_port, const __u32 *backend,
+					    __u16 backend_port, int words)
 {
-	__u32 service_id = master->service_id;
-	struct kpr_slot_block *block;
+	long err;
 
-	if (master->count > KPR_BLOCK_SLOTS)
-		return 0;
-	block = kpr_slot_blocks.lookup(&service_id);
-	return block ? block->backend_ids[(slot - 1) & (KPR_BLOCK_SLOTS - 1)] : 0;
+	if (words == 1) {
+		struct kpr_sock_revnat4_key rkey = { .cookie = cookie, .port = backend_port };
+		struct kpr_revnat4 rval = { .port = service_port };
+
+		__builtin_memcpy(rkey.address, backend, 4);
+		__builtin_memcpy(rval.address, service, 4);
+		err = kpr_sock_revnat4.update(&rkey, &rval);
+	} else {
+		struct kpr_sock_revnat6_key rkey = { .cookie = cookie, .port = backend_port };
+		struct kpr_revnat6 rval = { .port = service_port };
+
+		__builtin_memcpy(rkey.address, backend, 16);
+		__builtin_memcpy(rval.address, service, 16);
+		err = kpr_sock_revnat6.update(&rkey, &rval);
+	}
+	if (err)
+		kpr_stat_inc(KPR_STAT_REVNAT_FULL);
 }
 
-/* The one place an IPv4 service address becomes a backend. */
-static __always_inline int pick_backend4(struct bpf_sock_addr *ctx, __be32 *address,
-					 __u32 *port, bool by_cookie)
+/* The service address `address`:`port` (backend, network order) was sent to by
+ * this socket, from the LRU map of the family; false: none there. */
+static __always_inline bool recall_revnat(__u64 cookie, __u32 *address, __u32 *port, int words)
 {
-	struct kpr_service4_key key = {};
-	struct kpr_service *master, *slot;
-	struct kpr_backend4 *backend;
-	__u32 backend_id;
+	__u16 backend_port = bpf_ntohs((__u16)*port);
+	const __u32 *service;
+	__u16 service_port;
+
+	if (words == 1) {
+		struct kpr_sock_revnat4_key rkey = { .cookie = cookie, .port = backend_port };
+		struct kpr_revnat4 *rval;
+
+		__builtin_memcpy(rkey.address, address, 4);
+		rval = kpr_sock_revnat4.lookup(&rkey);
+		if (!rval)
+			return false;
+		service = (const __u32 *)rval->address;
+		service_port = rval->port;
+	} else {
+		struct kpr_sock_revnat6_key rkey = { .cookie = cookie, .port = backend_port };
+		struct kpr_revnat6 *rval;
+
+		__builtin_memcpy(rkey.address, address, 16);
+		rval = kpr_sock_revnat6.lookup(&rkey);
+		if (!rval)
+			return false;
+		service = (const __u32 *)rval->address;
+		service_port = rval->port;
+	}
+#pragma unroll
+	for (int i = 0; i < 4; i++)
+		if (i < words)
+			address[i] = service[i];
+	*port = bpf_htons(service_port);
+	return true;
+}
+
+/* The one place a service address becomes a backend. `words` is 1 for IPv4, 4
+ * for IPv6; address and port as the hook holds them (network order), rewritten
+ * to the backend's when one is picked. */
+static __always_inline int pick_backend(struct bpf_sock_addr *ctx, __u32 *address, __u32 *port,
+					int words, bool by_cookie)
+{
+	__u16 service_port = bpf_ntohs((__u16)*port);
+	struct kpr_service *master = kpr_master(words == 4, address, service_port, ctx->protocol,
+						KPR_SCOPE_SOCKET);
+	__u32 backend[4] = {};
+	struct kpr_choice choice;
+	__u16 backend_port = 0;
 	__u64 cookie;
 
-	__builtin_memcpy(key.address, address, 4);
-	key.port = bpf_ntohs((__u16)*port);
-	key.protocol = ctx->protocol;
-	master = kpr_services4.lookup(&key);
 	if (!master)
 		return KPR_PICK_NONE;
 	if (master->count == 0)
 		return KPR_PICK_REFUSE;
 
 	cookie = by_cookie ? bpf_get_socket_cookie(ctx) : 0;
-	if (master->affinity_timeout) {
-		__u64 now = bpf_ktime_get_ns();
-		__u32 sticky_backend = 0;
-
-		key.slot = sticky_slot(ctx, master, now, &sticky_backend);
-		slot = key.slot ? kpr_services4.lookup(&key) : NULL;
-		if (!slot || slot->backend_id != sticky_backend) {
-			key.slot = pick_slot(master->count, cookie, by_cookie);
-			slot = kpr_services4.lookup(&key);
-		}
-		if (!slot)
-			return KPR_PICK_MAP_ERROR;
-		remember_sticky(ctx, master, key.slot, slot->backend_id, now);
-		backend_id = slot->backend_id;
-	} else {
-		key.slot = pick_slot(master->count, cookie, by_cookie);
-		backend_id = block_backend(master, key.slot);
-		if (!backend_id) {
-			slot = kpr_services4.lookup(&key);
-			if (!slot)
-				return KPR_PICK_MAP_ERROR;
-			backend_id = slot->backend_id;
-		}
-	}
-	backend = kpr_backends4.lookup(&backend_id);
-	if (!backend)
+	choice = choose(ctx, master, client_hash(cookie, by_cookie));
+	if (!choice.backend_id || !kpr_backend(words == 4, choice.backend_id, backend, &backend_port))
 		return KPR_PICK_MAP_ERROR;
 
-	if (!by_cookie) {
-		remember_connected(ctx, (__u32 *)key.address, key.port, (__u32 *)backend->address,
-				   backend->port, 1);
-	} else if (!remember_on_socket(ctx, (__u32 *)key.address, key.port,
-				       (__u32 *)backend->address, backend->port, 1)) {
-		/* unconnected UDP may send to several services: one entry per backend */
-		struct kpr_sock_revnat4_key rkey = { .cookie = cookie, .port = backend->port };
-		struct kpr_revnat4 rval = { .port = key.port };
-		__builtin_memcpy(rkey.address, backend->address, 4);
-		__builtin_memcpy(rval.address, key.address, 4);
-		if (kpr_sock_revnat4.update(&rkey, &rval))
-			stat_inc(KPR_STAT_REVNAT_FULL);
-	}
+	if (!by_cookie)
+		remember_connected(ctx, address, service_port, backend, backend_port, words);
+	else if (!remember_on_socket(ctx, address, service_port, backend, backend_port, words))
+		remember_revnat(cookie, address, service_port, backend, backend_port, words);
 
-	__builtin_memcpy(address, backend->address, 4);
-	*port = bpf_htons(backend->port);
+#pragma unroll
+	for (int i = 0; i < 4; i++)
+		if (i < words)
+			address[i] = backend[i];
+	*port = bpf_htons(backend_port);
 	return KPR_PICK_BACKEND;
 }
 
 /* Backend -> service address, for replies and getpeername. */
-static __always_inline void reverse4(struct bpf_sock_addr *ctx, __be32 *address, __u32 *port)
+static __always_inline void reverse(struct bpf_sock_addr *ctx, __u32 *address, __u32 *port,
+				    int words)
 {
-	struct kpr_sock_revnat4_key rkey = {};
-	struct kpr_revnat4 *rval;
-
-	if (recall_peer(ctx, address, port, 1))
+	if (recall_peer(ctx, address, port, words))
 		return;
-	rkey.cookie = bpf_get_socket_cookie(ctx);
-	__builtin_memcpy(rkey.address, address, 4);
-	rkey.port = bpf_ntohs((__u16)*port);
-	rval = kpr_sock_revnat4.lookup(&rkey);
-	if (!rval)
-		return;
-	__builtin_memcpy(address, rval->address, 4);
-	*port = bpf_htons(rval->port);
-	stat_inc(KPR_STAT_REVERSED);
-}
-
-static __always_inline int pick_backend6(struct bpf_sock_addr *ctx, __u32 address[4],
-					 __u32 *port, bool by_cookie)
-{
-	struct kpr_service6_key key = {};
-	struct kpr_service *master, *slot;
-	struct kpr_backend6 *backend;
-	__u32 backend_id;
-	__u64 cookie;
-
-	__builtin_memcpy(key.address, address, 16);
-	key.port = bpf_ntohs((__u16)*port);
-	key.protocol = ctx->protocol;
-	master = kpr_services6.lookup(&key);
-	if (!master)
-		return KPR_PICK_NONE;
-	if (master->count == 0)
-		return KPR_PICK_REFUSE;
-
-	cookie = by_cookie ? bpf_get_socket_cookie(ctx) : 0;
-	if (master->affinity_timeout) {
-		__u64 now = bpf_ktime_get_ns();
-		__u32 sticky_backend = 0;
-
-		key.slot = sticky_slot(ctx, master, now, &sticky_backend);
-		slot = key.slot ? kpr_services6.lookup(&key) : NULL;
-		if (!slot || slot->backend_id != sticky_backend) {
-			key.slot = pick_slot(master->count, cookie, by_cookie);
-			slot = kpr_services6.lookup(&key);
-		}
-		if (!slot)
-			return KPR_PICK_MAP_ERROR;
-		remember_sticky(ctx, master, key.slot, slot->backend_id, now);
-		backend_id = slot->backend_id;
-	} else {
-		key.slot = pick_slot(master->count, cookie, by_cookie);
-		backend_id = block_backend(master, key.slot);
-		if (!backend_id) {
-			slot = kpr_services6.lookup(&key);
-			if (!slot)
-				return KPR_PICK_MAP_ERROR;
-			backend_id = slot->backend_id;
-		}
-	}
-	backend = kpr_backends6.lookup(&backend_id);
-	if (!backend)
-		return KPR_PICK_MAP_ERROR;
-
-	if (!by_cookie) {
-		remember_connected(ctx, (__u32 *)key.address, key.port, (__u32 *)backend->address,
-				   backend->port, 4);
-	} else if (!remember_on_socket(ctx, (__u32 *)key.address, key.port,
-				       (__u32 *)backend->address, backend->port, 4)) {
-		struct kpr_sock_revnat6_key rkey = { .cookie = cookie, .port = backend->port };
-		struct kpr_revnat6 rval = { .port = key.port };
-		__builtin_memcpy(rkey.address, backend->address, 16);
-		__builtin_memcpy(rval.address, key.address, 16);
-		if (kpr_sock_revnat6.update(&rkey, &rval))
-			stat_inc(KPR_STAT_REVNAT_FULL);
-	}
-
-	__builtin_memcpy(address, backend->address, 16);
-	*port = bpf_htons(backend->port);
-	return KPR_PICK_BACKEND;
-}
-
-static __always_inline void reverse6(struct bpf_sock_addr *ctx, __u32 address[4], __u32 *port)
-{
-	struct kpr_sock_revnat6_key rkey = {};
-	struct kpr_revnat6 *rval;
-
-	if (recall_peer(ctx, address, port, 4))
-		return;
-	rkey.cookie = bpf_get_socket_cookie(ctx);
-	__builtin_memcpy(rkey.address, address, 16);
-	rkey.port = bpf_ntohs((__u16)*port);
-	rval = kpr_sock_revnat6.lookup(&rkey);
-	if (!rval)
-		return;
-	__builtin_memcpy(address, rval->address, 16);
-	*port = bpf_htons(rval->port);
-	stat_inc(KPR_STAT_REVERSED);
+	if (recall_revnat(bpf_get_socket_cookie(ctx), address, port, words))
+		kpr_stat_inc(KPR_STAT_REVERSED);
 }
 
 /* An IPv6 socket may reach an IPv4 service through ::ffff:a.b.c.d. */
@@ -423,7 +334,7 @@ static __always_inline int lb4(struct bpf_sock_addr *ctx, bool by_cookie)
 {
 	__be32 address = ctx->user_ip4;
 	__u32 port = ctx->user_port;
-	int pick = pick_backend4(ctx, &address, &port, by_cookie);
+	int pick = pick_backend(ctx, &address, &port, 1, by_cookie);
 
 	if (pick == KPR_PICK_BACKEND) {
 		ctx->user_ip4 = address;
@@ -441,9 +352,9 @@ static __always_inline int lb6(struct bpf_sock_addr *ctx, bool by_cookie)
 	int pick;
 
 	if (v4_mapped(address))
-		pick = pick_backend4(ctx, &address[3], &port, by_cookie);
+		pick = pick_backend(ctx, &address[3], &port, 1, by_cookie);
 	else
-		pick = pick_backend6(ctx, address, &port, by_cookie);
+		pick = pick_backend(ctx, address, &port, 4, by_cookie);
 	if (pick == KPR_PICK_BACKEND) {
 		ctx->user_ip6[0] = address[0];
 		ctx->user_ip6[1] = address[1];
@@ -459,7 +370,7 @@ static __always_inline int reverse_hook4(struct bpf_sock_addr *ctx)
 	__be32 address = ctx->user_ip4;
 	__u32 port = ctx->user_port;
 
-	reverse4(ctx, &address, &port);
+	reverse(ctx, &address, &port, 1);
 	ctx->user_ip4 = address;
 	ctx->user_port = port;
 	return 1;
@@ -473,9 +384,9 @@ static __always_inline int reverse_hook6(struct bpf_sock_addr *ctx)
 	__u32 port = ctx->user_port;
 
 	if (v4_mapped(address))
-		reverse4(ctx, &address[3], &port);
+		reverse(ctx, &address[3], &port, 1);
 	else
-		reverse6(ctx, address, &port);
+		reverse(ctx, address, &port, 4);
 	ctx->user_ip6[0] = address[0];
 	ctx->user_ip6[1] = address[1];
 	ctx->user_ip6[2] = address[2];

@@ -128,9 +128,9 @@ def run(
     map_sizes: Annotated[
         str | None,
         typer.Option(
-            help="Map capacities, e.g. services=1048576,backends=524288 (keys: services, "
-            "backends, revnat, sock_revnat, sock_peers, affinity, ct, source_ranges). Fixed "
-            "once the maps are pinned."
+            help="Map capacities, e.g. slots=2097152,backends=524288 (keys: services, "
+            "backends, revnat, sock_revnat, sock_peers, affinity, ct, source_ranges, slots). "
+            "Fixed once the maps are pinned."
         ),
     ] = None,
     devices: Annotated[

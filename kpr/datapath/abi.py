@@ -19,7 +19,10 @@ from pathlib import Path
 
 from kpr import model
 
-ABI_VERSION = 1  # a changed layout gets a new version, and so new pins
+# a changed layout gets a new version, and so new pins. 2: the services maps hold masters
+# only; every frontend's slots are in kpr_slots, keyed by service id (1: slots in the
+# services maps, keyed by the frontend and the slot)
+ABI_VERSION = 2
 PIN_PREFIX = f"v{ABI_VERSION}_"  # every pin of this version starts so (kpr.h: KPR_PIN)
 
 BPF_DIR = Path(__file__).resolve().parents[1] / "bpf"  # package data, installed with kpr
@@ -46,35 +49,41 @@ SVC_F_DROP = 1 << 1
 
 
 # Addresses: bytes in network order. Ports: host order (bpftool shows them plainly).
-class Service4Key(ct.Structure):
+class Frontend4Key(ct.Structure):
+    """struct kpr_frontend4_key: a kpr_services4 key, one per frontend (its master)."""
+
     _fields_ = [
         ("address", ct.c_uint8 * 4),
         ("port", ct.c_uint16),
         ("protocol", ct.c_uint8),
         ("scope", ct.c_uint8),
-        ("slot", ct.c_uint32),  # was a 16-bit slot and padding: the same bytes below 65,536
     ]
 
 
-class Service6Key(ct.Structure):
+class Frontend6Key(ct.Structure):
     _fields_ = [
         ("address", ct.c_uint8 * 16),
         ("port", ct.c_uint16),
         ("protocol", ct.c_uint8),
         ("scope", ct.c_uint8),
-        ("slot", ct.c_uint32),
     ]
 
 
 class ServiceValue(ct.Structure):
+    """struct kpr_service: a frontend's master entry."""
+
     _fields_ = [
-        ("backend_id", ct.c_uint32),
         ("count", ct.c_uint32),
         ("service_id", ct.c_uint32),
         ("flags", ct.c_uint32),
         ("affinity_timeout", ct.c_uint32),
-        ("pad", ct.c_uint32),
     ]
+
+
+class SlotKey(ct.Structure):
+    """struct kpr_slot_key: a kpr_slots key; the value is the slot's backend id (__u32)."""
+
+    _fields_ = [("service_id", ct.c_uint32), ("slot", ct.c_uint32)]
 
 
 class Backend4(ct.Structure):
@@ -261,8 +270,9 @@ LOCAL_ENDPOINTS_MAX = 65536  # kpr_local_endpoints
 MAPS: dict[str, MapSpec] = {
     s.name: s
     for s in (
-        _spec("kpr_services4", BPF_MAP_TYPE_HASH, Service4Key, ServiceValue, "services"),
-        _spec("kpr_services6", BPF_MAP_TYPE_HASH, Service6Key, ServiceValue, "services"),
+        _spec("kpr_services4", BPF_MAP_TYPE_HASH, Frontend4Key, ServiceValue, "services"),
+        _spec("kpr_services6", BPF_MAP_TYPE_HASH, Frontend6Key, ServiceValue, "services"),
+        _spec("kpr_slots", BPF_MAP_TYPE_HASH, SlotKey, ct.c_uint32, "slots"),
         _spec("kpr_backends4", BPF_MAP_TYPE_HASH, ct.c_uint32, Backend4, "backends"),
         _spec("kpr_backends6", BPF_MAP_TYPE_HASH, ct.c_uint32, Backend6, "backends"),
         _spec("kpr_revnat4", BPF_MAP_TYPE_HASH, ct.c_uint32, RevNat4, "revnat"),
@@ -324,7 +334,7 @@ MAPS: dict[str, MapSpec] = {
 
 # Maps added to this ABI version after its first release: a pin directory of an older
 # build lacks them until the agent of this one compiles (and so creates) them.
-ADDED_MAPS = {"kpr_config", "kpr_local_endpoints"}
+ADDED_MAPS: set[str] = set()
 
 # socket local storage (kpr_sock_peer): no entries to read or size, but pinned like the rest
 SOCK_PEER_PIN = PIN_PREFIX + "sock_peer"
@@ -336,7 +346,7 @@ MAP_PRESSURE = 0.9  # a map this full is reported (log, `kpr status`) before wri
 class MapSizes:
     """max_entries of the maps; configurable, fixed once the maps are pinned."""
 
-    services: int = 524288  # masters + slots: 30,000 services x 10 endpoints fit
+    services: int = 65536  # frontends (master entries) of each family, as revnat's ids
     backends: int = 524288  # 30,000 services x 10 distinct endpoints fit
     revnat: int = 65536
     sock_revnat: int = 65536  # LRU: preallocated, so kept modest
@@ -346,6 +356,9 @@ class MapSizes:
     affinity: int = 65536  # LRU: (client netns, service) pairs with ClientIP affinity
     ct: int = 65536  # LRU, each of kpr_ct and kpr_nat: external flows through TC
     source_ranges: int = 16384  # loadBalancerSourceRanges, all Services together
+    # kpr_slots, every frontend's backend slots, both families together: 60,000 frontends
+    # x 16 endpoints fit (last, so the fields before keep their positions)
+    slots: int = 1048576
 
     @classmethod
     def parse(cls, text: str) -> MapSizes:
@@ -379,7 +392,7 @@ def constants() -> dict[str, int]:
         "KPR_BLOCK_SLOTS": BLOCK_SLOTS,
         "KPR_SVC_F_SOURCE_RANGES": SVC_F_SOURCE_RANGES,
         "KPR_SVC_F_DROP": SVC_F_DROP,
-        "KPR_SCOPE_SOCKET": model.SOCKET,  # the service key's scope: Frontend.scope
+        "KPR_SCOPE_SOCKET": model.SOCKET,  # the frontend key's scope: Frontend.scope
         "KPR_SCOPE_EXTERNAL": model.EXTERNAL,
         "KPR_CT_F_SNAT": CT_F_SNAT,
         "KPR_DEVICE_F_REPLIES": DEVICE_F_REPLIES,
@@ -437,9 +450,10 @@ def layout(
 
 
 # for packing and unpacking many entries fast (the field order of each is its C struct's)
-SERVICE4_KEY = layout(Service4Key)  # address, port, protocol, scope, slot
-SERVICE6_KEY = layout(Service6Key)
-SERVICE_VALUE = layout(ServiceValue)  # backend_id, count, service_id, flags, affinity_timeout
+FRONTEND4_KEY = layout(Frontend4Key)  # address, port, protocol, scope
+FRONTEND6_KEY = layout(Frontend6Key)
+SERVICE_VALUE = layout(ServiceValue)  # count, service_id, flags, affinity_timeout
+SLOT_KEY = layout(SlotKey)  # service_id, slot
 BACKEND4 = layout(Backend4)  # address, port; also struct kpr_revnat4
 BACKEND6 = layout(Backend6)
 ID = struct.Struct("<I")  # a __u32 key: backend id, service id, ifindex, array index

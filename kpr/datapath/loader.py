@@ -104,6 +104,24 @@ def check_pinned_maps(pin_dir: Path, sizes: abi.MapSizes) -> None:
         )
 
 
+LIBRARY = "lb.h"  # kpr/bpf's load-balancing library, shared by both programs
+
+
+def program_text(source: str) -> str:
+    """kpr/bpf/<source> with kpr/bpf/lb.h pasted where it is included: BCC rewrites map
+    calls (`kpr_slots.lookup(...)`) only in the text it compiles, not in its headers.
+    `#line` keeps the compiler's messages naming each file and line."""
+    path = abi.BPF_DIR / source
+    library = abi.BPF_DIR / LIBRARY
+    out = [f'#line 1 "{path}"\n']
+    for number, line in enumerate(path.read_text().splitlines(keepends=True), start=1):
+        if line.strip() == f'#include "{LIBRARY}"':
+            out += [f'#line 1 "{library}"\n', library.read_text(), f'#line {number + 1} "{path}"\n']
+        else:
+            out.append(line)
+    return "".join(out)
+
+
 def compile_and_pin(pin_dir: Path, sizes: abi.MapSizes, source: str = "sock_lb.c"):
     """Compile a program of kpr/bpf/ (the socket LB by default); BCC creates (or reuses)
     the pinned maps of kpr/bpf/kpr.h, which every source shares."""
@@ -112,7 +130,7 @@ def compile_and_pin(pin_dir: Path, sizes: abi.MapSizes, source: str = "sock_lb.c
     check_pinned_maps(pin_dir, sizes)
     cflags = abi.cflags(pin_dir, sizes)
     try:
-        return bcc.BPF(src_file=str(abi.BPF_DIR / source).encode(), cflags=cflags)
+        return bcc.BPF(text=program_text(source).encode(), cflags=cflags)
     except Exception as err:
         cause = (
             "a kernel without cgroup sock_addr hooks (CONFIG_CGROUP_BPF)"

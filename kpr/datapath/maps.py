@@ -20,25 +20,31 @@ from pathlib import Path
 from typing import NamedTuple, Protocol
 
 from kpr.datapath import abi, bpfsys
-from kpr.datapath.plan import Master, Plan, ProgrammedService, ProgrammedState, SourceRange
+from kpr.datapath.plan import (
+    Master,
+    Plan,
+    ProgrammedService,
+    ProgrammedState,
+    SlotRef,
+    SourceRange,
+)
 from kpr.model import Backend, Frontend, IPAddress, by_key
 
 log = logging.getLogger(__name__)
 
 
 class ServiceEntry(NamedTuple):
-    """struct kpr_service, decoded: its fields in its order (abi.SERVICE_VALUE's values)."""
+    """struct kpr_service (a master entry, the value of kpr_services4/6, whose key is the
+    frontend), decoded: its fields in its order (abi.SERVICE_VALUE's values)."""
 
-    backend_id: int = 0
     count: int = 0
     service_id: int = 0
     flags: int = 0
     affinity_timeout: int = 0
 
 
-# a kpr_services4/6 key decoded (abi.Service4Key/6Key): frontend, slot (0: the master)
-ServiceKey = tuple[Frontend, int]
-Slots = dict[Frontend, dict[int, int]]  # frontend -> {slot: backend id}
+Slots = dict[int, dict[int, int]]  # service id -> {slot: backend id} (kpr_slots)
+Owners = dict[int, Frontend]  # service id -> its frontend, to name failed slots
 
 
 class MapFull(Exception):
@@ -56,14 +62,15 @@ class WriteResult:
 class Maps(Protocol):
     def read(self) -> ProgrammedState: ...
     def write_backends(self, entries: dict[int, Backend]) -> WriteResult: ...
-    def write_slots(self, entries: Slots) -> WriteResult: ...
+    def write_slots(self, entries: Slots, owners: Owners | None = None) -> WriteResult: ...
     def write_backends_with(
-        self, backends: dict[int, Backend], slots: Slots
+        self, backends: dict[int, Backend], slots: Slots, owners: Owners | None = None
     ) -> tuple[WriteResult, WriteResult]:
         """New backends, and slots no reader can reach yet: in any order."""
 
     def write_masters(self, entries: list[Master]) -> WriteResult: ...
-    def delete_services(self, keys: list[ServiceKey]) -> None: ...
+    def delete_masters(self, frontends: list[Frontend]) -> None: ...
+    def delete_slots(self, keys: list[SlotRef]) -> None: ...
     def write_revnat(self, entries: dict[int, Frontend]) -> WriteResult: ...
     def delete_revnat(self, entries: dict[int, Frontend]) -> None: ...
     def delete_backends(self, entries: dict[int, Backend]) -> None: ...
@@ -79,28 +86,23 @@ def slot_blocks(services: Iterable[ProgrammedService]) -> dict[int, list[int]]:
 
 
 def decode(
-    services: dict[ServiceKey, ServiceEntry],
+    masters: dict[Frontend, ServiceEntry],
+    slots: dict[SlotRef, int],
     backends: dict[int, Backend],
     revnat: dict[int, Frontend],
     ranges: Iterable[SourceRange] = (),
 ) -> ProgrammedState:
-    """Map contents → ProgrammedState. Slots a master does not count are strays."""
+    """Map contents → ProgrammedState. Slots no master counts are strays."""
     state = ProgrammedState(backends=dict(backends), revnat=dict(revnat))
     for sid, network in ranges:
         state.source_ranges[sid] = state.source_ranges.get(sid, frozenset()) | {network}
-    for (frontend, slot), entry in services.items():
-        if slot == 0:
-            slots = [
-                services.get((frontend, i), ServiceEntry()).backend_id
-                for i in range(1, entry.count + 1)
-            ]
-            state.services[frontend] = ProgrammedService(
-                entry.service_id, slots, entry.affinity_timeout, entry.flags
-            )
-    for frontend, slot in services:
-        master = services.get((frontend, 0))
-        if slot and (master is None or slot > master.count):
-            state.stray_slots.add((frontend, slot))
+    counts: dict[int, int] = {}  # service id -> the slots its master counts
+    for frontend, entry in masters.items():
+        sid = entry.service_id
+        held = [slots.get((sid, i), 0) for i in range(1, entry.count + 1)]  # 0: absent
+        state.services[frontend] = ProgrammedService(sid, held, entry.affinity_timeout, entry.flags)
+        counts[sid] = max(counts.get(sid, 0), entry.count)
+    state.stray_slots = {(sid, slot) for sid, slot in slots if not 0 < slot <= counts.get(sid, 0)}
     return state.reindex()
 
 
@@ -117,14 +119,17 @@ def execute(maps: Maps, steps: Plan) -> WriteResult:
     # Slots above a frontend's current count (all of a new frontend's) are out of
     # readers' reach until its master is written: they need not wait for the backends.
     slots = steps.slot_writes
-    ahead = {f: s for f, s in slots.items() if min(s) > steps.old_counts.get(f, 0)}
-    backends_written, ahead_written = maps.write_backends_with(steps.backend_writes, ahead)
+    owner = {sid: f for f, sid in steps.service_ids.items()}
+    ahead = {sid: s for sid, s in slots.items() if min(s) > steps.old_counts.get(sid, 0)}
+    backends_written, ahead_written = maps.write_backends_with(steps.backend_writes, ahead, owner)
     failed_backends = merge(backends_written)
-    failed: set[Frontend] = {key[0] for key in merge(ahead_written)}
+    failed: set[Frontend] = {owner[key[0]] for key in merge(ahead_written)}
     if failed_backends:
-        failed |= {f for f, s in slots.items() if not failed_backends.isdisjoint(s.values())}
-    behind = {f: s for f, s in slots.items() if f not in ahead and f not in failed}
-    failed |= {key[0] for key in merge(maps.write_slots(behind))}
+        failed |= {
+            owner[sid] for sid, s in slots.items() if not failed_backends.isdisjoint(s.values())
+        }
+    behind = {sid: s for sid, s in slots.items() if sid not in ahead and owner[sid] not in failed}
+    failed |= {owner[key[0]] for key in merge(maps.write_slots(behind, owner))}
     # a frontend's block goes with its slots, before its master and before any backend
     # it stops naming is deleted
     frontend_of = {s.service_id: f for f, s in steps.after.items() if f not in failed}
@@ -136,10 +141,11 @@ def execute(maps: Maps, steps: Plan) -> WriteResult:
     ranges = {key: f for key, f in steps.range_writes.items() if f not in failed}
     failed |= {steps.range_writes[key] for key in merge(maps.write_source_ranges(ranges))}
     masters = [m for m in steps.master_writes if m.frontend not in failed]
-    failed |= {key[0] for key in merge(maps.write_masters(masters))}
-    maps.delete_services([(f, 0) for f in steps.master_deletes])
+    failed |= merge(maps.write_masters(masters))
+    maps.delete_masters(steps.master_deletes)
     maps.delete_source_ranges(steps.range_deletes)
-    maps.delete_services([key for key in steps.slot_deletes if key[0] not in failed])
+    # (a stray slot has no owner in the plan: deleted whatever failed)
+    maps.delete_slots([key for key in steps.slot_deletes if owner.get(key[0]) not in failed])
     if failed:
         failed = _one_by_one(maps, steps, failed)
     if failed:
@@ -160,22 +166,25 @@ def _one_by_one(maps: Maps, steps: Plan, failed: set[Frontend]) -> set[Frontend]
     slots = steps.slot_writes
     masters = {m.frontend: m for m in steps.master_writes}
     revnat = {frontend: sid for sid, frontend in steps.revnat_writes.items()}
+    owner = {sid: f for f, sid in steps.service_ids.items()}
 
-    def added(frontend: Frontend) -> list[ServiceKey]:
-        old = steps.old_counts.get(frontend, 0)
-        return [(frontend, slot) for slot in slots.get(frontend, {}) if slot > old]
+    def added(frontend: Frontend) -> list[SlotRef]:
+        sid = steps.service_ids[frontend]
+        old = steps.old_counts.get(sid, 0)
+        return [(sid, slot) for slot in slots.get(sid, {}) if slot > old]
 
-    maps.delete_services([key for frontend in failed for key in added(frontend)])
+    maps.delete_slots([key for frontend in failed for key in added(frontend)])
     still = set()
     for frontend in sorted(failed, key=by_key):
         # its new backends first (one of them may be what failed): a slot must never
         # name a backend that is not there
-        mine = slots.get(frontend, {})
+        sid = steps.service_ids[frontend]
+        mine = slots.get(sid, {})
         new = {
             bid: steps.backend_writes[bid] for bid in mine.values() if bid in steps.backend_writes
         }
         ok = not maps.write_backends(new).failed
-        ok = ok and not maps.write_slots({frontend: mine}).failed
+        ok = ok and not maps.write_slots({sid: mine} if mine else {}, owner).failed
         if ok and frontend in steps.after:
             ok = not maps.write_slot_blocks(slot_blocks([steps.after[frontend]])).failed
         if ok and frontend in revnat:
@@ -186,10 +195,9 @@ def _one_by_one(maps: Maps, steps: Plan, failed: set[Frontend]) -> set[Frontend]
         if ok and frontend in masters:
             ok = not maps.write_masters([masters[frontend]]).failed
         if ok:
-            trim = [key for key in steps.slot_deletes if key[0] == frontend]
-            maps.delete_services(trim)
+            maps.delete_slots([key for key in steps.slot_deletes if key[0] == sid])
         else:
-            maps.delete_services(added(frontend))
+            maps.delete_slots(added(frontend))
             still.add(frontend)
     return still
 
@@ -199,8 +207,9 @@ class MemoryMaps:
     as a reader of the real maps could look at any moment."""
 
     def __init__(self, capacity: int = 1 << 20, check=None) -> None:
-        self.capacity = capacity
-        self.services: dict[ServiceKey, ServiceEntry] = {}
+        self.capacity = capacity  # of each map
+        self.services: dict[Frontend, ServiceEntry] = {}  # masters (kpr_services4/6)
+        self.slots: dict[SlotRef, int] = {}  # kpr_slots
         self.backends: dict[int, Backend] = {}
         self.revnat: dict[int, Frontend] = {}
         self.ranges: dict[SourceRange, Frontend] = {}
@@ -223,30 +232,24 @@ class MemoryMaps:
         return result
 
     def read(self) -> ProgrammedState:
-        return decode(self.services, self.backends, self.revnat, self.ranges)
+        return decode(self.services, self.slots, self.backends, self.revnat, self.ranges)
 
     def write_backends(self, entries: dict[int, Backend]) -> WriteResult:
         return self._write(self.backends, entries)
 
-    def write_slots(self, entries: Slots) -> WriteResult:
+    def write_slots(self, entries: Slots, owners: Owners | None = None) -> WriteResult:
         return self._write(
-            self.services,
-            {(f, slot): ServiceEntry(bid) for f, s in entries.items() for slot, bid in s.items()},
+            self.slots,
+            {(sid, slot): bid for sid, s in entries.items() for slot, bid in s.items()},
         )
 
     def write_backends_with(
-        self, backends: dict[int, Backend], slots: Slots
+        self, backends: dict[int, Backend], slots: Slots, owners: Owners | None = None
     ) -> tuple[WriteResult, WriteResult]:
-        return self.write_backends(backends), self.write_slots(slots)
+        return self.write_backends(backends), self.write_slots(slots, owners)
 
     def write_masters(self, entries: list[Master]) -> WriteResult:
-        return self._write(
-            self.services,
-            {
-                (m.frontend, 0): ServiceEntry(0, m.count, m.service_id, m.flags, m.affinity_timeout)
-                for m in entries
-            },
-        )
+        return self._write(self.services, {m.frontend: ServiceEntry(*m[1:]) for m in entries})
 
     def write_revnat(self, entries: dict[int, Frontend]) -> WriteResult:
         return self._write(self.revnat, entries)
@@ -256,8 +259,11 @@ class MemoryMaps:
             table.pop(key, None)
             self._checked()
 
-    def delete_services(self, keys: list[ServiceKey]) -> None:
-        self._delete(self.services, keys)
+    def delete_masters(self, frontends: list[Frontend]) -> None:
+        self._delete(self.services, frontends)
+
+    def delete_slots(self, keys: list[SlotRef]) -> None:
+        self._delete(self.slots, keys)
 
     def delete_revnat(self, entries: dict[int, Frontend]) -> None:
         self._delete(self.revnat, entries)
@@ -281,20 +287,24 @@ class MemoryMaps:
 
 def consistent(maps: MemoryMaps) -> list[str]:
     """What a datapath reader could trip on right now: a master counting a slot
-    that is absent, a slot or slot block naming a backend that is absent, or a
-    master limited to source ranges that has none."""
+    that is absent, a slot or slot block naming a backend that is absent, two
+    masters on one service id (one would read the other's slots), or a master
+    limited to source ranges that has none."""
     faults = []
     ranged = {sid for sid, _ in maps.ranges}
-    for (frontend, slot), entry in maps.services.items():
-        if slot:
-            continue
-        block = maps.blocks.get(entry.service_id, []) if entry.count <= abi.BLOCK_SLOTS else []
+    owners: dict[int, Frontend] = {}
+    for frontend, entry in maps.services.items():
+        sid = entry.service_id
+        if sid in owners:
+            faults.append(f"{frontend}: service id {sid} is {owners[sid]}'s too")
+        owners[sid] = frontend
+        block = maps.blocks.get(sid, []) if entry.count <= abi.BLOCK_SLOTS else []
         for i in range(1, entry.count + 1):
-            slot_entry = maps.services.get((frontend, i))
-            if slot_entry is None:
+            backend_id = maps.slots.get((sid, i))
+            if backend_id is None:
                 faults.append(f"{frontend}: slot {i} of {entry.count} missing")
-            elif slot_entry.backend_id not in maps.backends:
-                faults.append(f"{frontend}: slot {i} names absent backend {slot_entry.backend_id}")
+            elif backend_id not in maps.backends:
+                faults.append(f"{frontend}: slot {i} names absent backend {backend_id}")
             # a block entry is read instead of the slot entry, unless it is 0; between a
             # slot's write and its block's it may still name the slot's previous backend
             if i <= len(block) and block[i - 1] and block[i - 1] not in maps.backends:
@@ -334,12 +344,12 @@ class _Packed:
 # the other (a thread would cost more than it saves)
 _CONCURRENT = 1000
 
-# A service key ends with the slot: a frontend's keys share everything before it (its
-# prefix), packed once, and each slot's tail is packed once, here (up to the largest
-# frontend's count so far).
+# A kpr_slots key is (service id, slot): a frontend's keys share the service id, packed
+# once, and each slot's tail is packed once, here (up to the largest frontend's count so
+# far).
 _SLOT_TAIL = abi.ID
-for _key in (abi.Service4Key, abi.Service6Key):
-    assert _key.slot.offset + _SLOT_TAIL.size == ct.sizeof(_key)  # the last field, a __u32
+assert abi.SlotKey.slot.offset + _SLOT_TAIL.size == ct.sizeof(abi.SlotKey)  # last, a __u32
+assert abi.layout(abi.SlotKey, before="slot").format == abi.ID.format  # service id first
 _SLOT_TAILS = [_SLOT_TAIL.pack(slot) for slot in range(1024)]
 
 
@@ -351,66 +361,65 @@ def _slot_tails(top: int) -> list[bytes]:
 
 
 # by the address's class, and int(): .version and .packed cost a Python call more each
-_SERVICE_PREFIXES = {
-    IPv4Address: ("kpr_services4", 4, abi.layout(abi.Service4Key, before="slot").pack),
-    IPv6Address: ("kpr_services6", 16, abi.layout(abi.Service6Key, before="slot").pack),
+_FRONTEND_KEYS = {
+    IPv4Address: ("kpr_services4", 4, abi.FRONTEND4_KEY.pack),
+    IPv6Address: ("kpr_services6", 16, abi.FRONTEND6_KEY.pack),
 }
-# A slot's value is a backend id and zeros.
-_SLOT_VALUE = abi.layout(
-    abi.ServiceValue, zero=("count", "service_id", "flags", "affinity_timeout")
-)
 
 
-def _key_prefix(frontend: Frontend) -> tuple[str, bytes]:
-    """The map and the packed key of a frontend, up to the slot."""
+def _frontend_key(frontend: Frontend) -> tuple[str, bytes]:
+    """The map of a frontend's master entry, and its packed key there."""
     address = frontend.address
-    name, size, pack = _SERVICE_PREFIXES[type(address)]
+    name, size, pack = _FRONTEND_KEYS[type(address)]
     protocol = abi.PROTOCOL_NUMBERS[frontend.protocol]
     return name, pack(int(address).to_bytes(size, "big"), frontend.port, protocol, frontend.scope)
 
 
 def _pack_slots(entries: Slots) -> dict[str, _Packed]:
-    out: dict[str, _Packed] = defaultdict(_Packed)
-    pack_value = _SLOT_VALUE.pack
-    for frontend, slots in entries.items():
+    batch = _Packed()
+    keys, values, labels = batch.keys, batch.values, batch.labels
+    pack_id = abi.ID.pack
+    for sid, slots in entries.items():
         tails = _slot_tails(max(slots, default=0))
-        name, prefix = _key_prefix(frontend)
-        batch = out[name]
-        keys, values, labels = batch.keys, batch.values, batch.labels
+        prefix = pack_id(sid)
         for slot, bid in slots.items():
             keys += prefix
             keys += tails[slot]
-            values += pack_value(bid)
-            labels.append((frontend, slot))
-    return out
+            values += pack_id(bid)
+            labels.append((sid, slot))
+    return {"kpr_slots": batch} if labels else {}
+
+
+def _pack_slot_keys(keys: Iterable[SlotRef]) -> dict[str, _Packed]:
+    """kpr_slots keys, to delete (a stray slot read back may be of any number)."""
+    batch = _Packed()
+    pack = abi.SLOT_KEY.pack
+    for sid, slot in keys:
+        batch.keys += pack(sid, slot)
+        batch.labels.append((sid, slot))
+    return {"kpr_slots": batch} if batch.labels else {}
 
 
 def _pack_masters(entries: list[Master]) -> dict[str, _Packed]:
     out: dict[str, _Packed] = defaultdict(_Packed)
     pack_value = abi.SERVICE_VALUE.pack
     for m in entries:
-        name, prefix = _key_prefix(m.frontend)
+        name, key = _frontend_key(m.frontend)
         batch = out[name]
-        batch.keys += prefix
-        batch.keys += _SLOT_TAILS[0]
-        batch.values += pack_value(0, *m[1:])  # after the frontend: kpr_service's fields
-        batch.labels.append((m.frontend, 0))
+        batch.keys += key
+        batch.values += pack_value(*m[1:])  # after the frontend: kpr_service's fields
+        batch.labels.append(m.frontend)
     return out
 
 
-def _pack_service_keys(keys: Iterable[ServiceKey]) -> dict[str, _Packed]:
-    """Service keys, to delete."""
+def _pack_frontend_keys(frontends: Iterable[Frontend]) -> dict[str, _Packed]:
+    """Master entries' keys, to delete."""
     out: dict[str, _Packed] = defaultdict(_Packed)
-    prefixes: dict[Frontend, tuple[str, bytes]] = {}  # one frontend has many slots
-    for key in keys:
-        frontend, slot = key
-        prefix = prefixes.get(frontend)
-        if prefix is None:
-            prefix = prefixes[frontend] = _key_prefix(frontend)
-        batch = out[prefix[0]]
-        batch.keys += prefix[1]
-        batch.keys += _SLOT_TAIL.pack(slot)  # a stray slot read back may be of any number
-        batch.labels.append(key)
+    for frontend in frontends:
+        name, key = _frontend_key(frontend)
+        batch = out[name]
+        batch.keys += key
+        batch.labels.append(frontend)
     return out
 
 
@@ -446,10 +455,13 @@ def _why(err: OSError) -> str:
     return err.strerror or str(err)
 
 
-def _label(key: object) -> str:
-    if isinstance(key, tuple):  # (frontend, slot)
-        frontend, slot = key
-        return f"{frontend} {'master' if slot == 0 else f'slot {slot}'}"
+def _label(key: object, owners: Owners | None = None) -> str:
+    if isinstance(key, Frontend):
+        return f"{key} master"
+    if isinstance(key, tuple):  # (service id, slot)
+        sid, slot = key
+        owner = owners.get(sid) if owners else None
+        return f"{owner if owner else f'service {sid}'} slot {slot}"
     return f"id {key}"
 
 
@@ -488,24 +500,20 @@ class BpfMaps:
         return self.maps[f"kpr_{base}{version}"]
 
     def read(self) -> ProgrammedState:
-        services: dict[ServiceKey, ServiceEntry] = {}
+        masters: dict[Frontend, ServiceEntry] = {}
         backends: dict[int, Backend] = {}
         revnat: dict[int, tuple] = {}
         protocols = abi.PROTOCOL_NAMES
         for version in (4, 6):
-            key_layout = abi.SERVICE4_KEY if version == 4 else abi.SERVICE6_KEY
+            key_layout = abi.FRONTEND4_KEY if version == 4 else abi.FRONTEND6_KEY
             address_layout = abi.BACKEND4 if version == 4 else abi.BACKEND6
-            frontends: dict[tuple, Frontend] = {}  # one object per frontend, not per slot
             for keys, values, _ in self._family("services", version).dump():
-                for (address, port, protocol, scope, slot), value in zip(
+                for (address, port, protocol, scope), value in zip(
                     key_layout.iter_unpack(keys), abi.SERVICE_VALUE.iter_unpack(values), strict=True
                 ):
-                    frontend = frontends.get((address, port, protocol, scope))
-                    if frontend is None:
-                        name = protocols.get(protocol, str(protocol))
-                        frontend = Frontend(ip_address(address), port, name, scope)
-                        frontends[(address, port, protocol, scope)] = frontend
-                    services[(frontend, slot)] = ServiceEntry(*value)
+                    name = protocols.get(protocol, str(protocol))
+                    frontend = Frontend(ip_address(address), port, name, scope)
+                    masters[frontend] = ServiceEntry(*value)
             for keys, values, _ in self._family("backends", version).dump():
                 for (bid,), (address, port) in zip(
                     abi.ID.iter_unpack(keys), address_layout.iter_unpack(values), strict=True
@@ -516,7 +524,13 @@ class BpfMaps:
                     abi.ID.iter_unpack(keys), address_layout.iter_unpack(values), strict=True
                 ):
                     revnat[sid] = (ip_address(address), port)
-        state = decode(services, backends, {}, self.read_source_ranges())
+        slots: dict[SlotRef, int] = {}
+        for keys, values, _ in self.maps["kpr_slots"].dump():
+            for key, (bid,) in zip(
+                abi.SLOT_KEY.iter_unpack(keys), abi.ID.iter_unpack(values), strict=True
+            ):
+                slots[key] = bid
+        state = decode(masters, slots, backends, {}, self.read_source_ranges())
         by_id = {s.service_id: f for f, s in state.services.items()}
         for sid, (address, port) in revnat.items():
             full = by_id.get(sid)
@@ -527,9 +541,9 @@ class BpfMaps:
                 state.revnat[sid] = Frontend(address, port, "")
         return state.reindex()
 
-    def _write(self, batches: dict[str, _Packed]) -> WriteResult:
+    def _write(self, batches: dict[str, _Packed], owners: Owners | None = None) -> WriteResult:
         """Batch-write packed entries, one syscall per map; on error fall back to
-        one at a time, to find exactly which entries failed."""
+        one at a time, to find exactly which entries failed (named with `owners`)."""
         result = WriteResult()
         for name, batch in batches.items():
             pinned = self.maps[name]
@@ -542,7 +556,8 @@ class BpfMaps:
                         pinned.update_packed(key, value)
                     except OSError as one:
                         result.failed.add(label)
-                        result.errors.append(f"{pinned.name}: {_why(one)} ({_label(label)})")
+                        why = f"{_why(one)} ({_label(label, owners)})"
+                        result.errors.append(f"{pinned.name}: {why}")
         return result
 
     def _delete(self, batches: dict[str, _Packed]) -> None:
@@ -557,19 +572,19 @@ class BpfMaps:
     def write_backends(self, entries: dict[int, Backend]) -> WriteResult:
         return self._write(_pack_addresses("backends", entries))
 
-    def write_slots(self, entries: Slots) -> WriteResult:
-        return self._write(_pack_slots(entries))
+    def write_slots(self, entries: Slots, owners: Owners | None = None) -> WriteResult:
+        return self._write(_pack_slots(entries), owners)
 
     def write_backends_with(
-        self, backends: dict[int, Backend], slots: Slots
+        self, backends: dict[int, Backend], slots: Slots, owners: Owners | None = None
     ) -> tuple[WriteResult, WriteResult]:
         """Many of both (a first sync: 100,000s) are written on two threads at once:
         packing takes the GIL, each batch syscall releases it, and the kernel fills
         the two maps on two CPUs."""
         if min(len(backends), len(slots)) < _CONCURRENT:
-            return self.write_backends(backends), self.write_slots(slots)
+            return self.write_backends(backends), self.write_slots(slots, owners)
         with ThreadPoolExecutor(1, thread_name_prefix="kpr-slots") as thread:
-            slots_written = thread.submit(self.write_slots, slots)
+            slots_written = thread.submit(self.write_slots, slots, owners)
             return self.write_backends(backends), slots_written.result()
 
     def write_masters(self, entries: list[Master]) -> WriteResult:
@@ -591,8 +606,11 @@ class BpfMaps:
                 batch.labels.append(sid)
         return self._write({"kpr_slot_blocks": batch} if batch.labels else {})
 
-    def delete_services(self, keys: list[ServiceKey]) -> None:
-        self._delete(_pack_service_keys(keys))
+    def delete_masters(self, frontends: list[Frontend]) -> None:
+        self._delete(_pack_frontend_keys(frontends))
+
+    def delete_slots(self, keys: list[SlotRef]) -> None:
+        self._delete(_pack_slot_keys(keys))
 
     def delete_revnat(self, entries: dict[int, Frontend]) -> None:
         self._delete(_pack_addresses("revnat", entries))

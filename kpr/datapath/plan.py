@@ -6,12 +6,14 @@ so that no lookup ever sees a half-written service:
 
   1. write new backends          4. write master entries (new count)
   2. write slots 1..count        5. delete slots above the count, masters of
-  3. write reverse entries and      removed services, their reverse entries
-     source ranges                  and source ranges
-                                 6. delete backends nothing references
+     (and slot blocks)              removed services, their reverse entries
+  3. write reverse entries and      and source ranges
+     source ranges               6. delete backends nothing references
 
 A reader that sees a master's count always finds slots 1..count filled with
-backends that exist.
+backends that exist. Slots are keyed by the frontend's service id (kpr_slots), so
+an id is given to a new frontend only once every entry of its previous one is gone:
+by a later plan than the one that frees it.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from kpr.datapath import abi
 from kpr.model import Backend, Frontend, FrontendState, IPNetwork, Translation, by_key
 
 SourceRange = tuple[int, IPNetwork]  # (service id, allowed source network)
+SlotRef = tuple[int, int]  # (service id, slot): a kpr_slots key
 
 
 def flags_of(state: FrontendState) -> int:
@@ -51,9 +54,9 @@ class ProgrammedState:
     backends: dict[int, Backend] = field(default_factory=dict)
     revnat: dict[int, Frontend] = field(default_factory=dict)
     source_ranges: dict[int, frozenset[IPNetwork]] = field(default_factory=dict)  # by service id
-    # slot entries no master counts (above the count, or without a master):
-    # left by an interrupted write, removed by the next plan
-    stray_slots: set[tuple[Frontend, int]] = field(default_factory=set)
+    # slot entries no master counts (above the count, or no master has that service id):
+    # left by an interrupted write, removed by the next full plan
+    stray_slots: set[SlotRef] = field(default_factory=set)
     # indexes, so a plan for a few frontends costs nothing per other frontend
     backend_index: dict[Backend, int] = field(default_factory=dict)
     refs: Counter[int] = field(default_factory=Counter)  # slots naming each backend
@@ -97,18 +100,21 @@ class Master(NamedTuple):  # (a frozen dataclass builds slower, 10,000s of times
 @dataclass
 class Plan:
     backend_writes: dict[int, Backend] = field(default_factory=dict)
-    # frontend -> {slot: backend id}: a key per frontend, not per slot, is cheaper to build
-    slot_writes: dict[Frontend, dict[int, int]] = field(default_factory=dict)
+    # service id -> {slot: backend id}: a key per frontend, not per slot, is cheaper to build
+    slot_writes: dict[int, dict[int, int]] = field(default_factory=dict)
     revnat_writes: dict[int, Frontend] = field(default_factory=dict)
     range_writes: dict[SourceRange, Frontend] = field(default_factory=dict)
     master_writes: list[Master] = field(default_factory=list)
     master_deletes: list[Frontend] = field(default_factory=list)
-    slot_deletes: list[tuple[Frontend, int]] = field(default_factory=list)
+    slot_deletes: list[SlotRef] = field(default_factory=list)
     revnat_deletes: dict[int, Frontend] = field(default_factory=dict)
     range_deletes: set[SourceRange] = field(default_factory=set)
     backend_deletes: dict[int, Backend] = field(default_factory=dict)
-    # slots each frontend had before (0: new), so a failed write can free what it added
-    old_counts: dict[Frontend, int] = field(default_factory=dict)
+    # the service id of each frontend planned (written or removed; not a write)
+    service_ids: dict[Frontend, int] = field(default_factory=dict)
+    # slots each frontend had before (0: new), by service id, so a failed write can free
+    # what it added
+    old_counts: dict[int, int] = field(default_factory=dict)
     # each planned frontend as the maps hold it once the plan is written (not a write)
     after: dict[Frontend, ProgrammedService] = field(default_factory=dict)
     # the new backends' ids, for the backend index (not a write: backend_writes are)
@@ -122,7 +128,14 @@ class Plan:
     def writes(self) -> int:
         """Map operations this plan makes."""
         slots = sum(len(s) for s in self.slot_writes.values())
-        skip = ("slot_writes", "old_counts", "after", "backend_ids", "reused_service_ids")
+        skip = (
+            "slot_writes",
+            "service_ids",
+            "old_counts",
+            "after",
+            "backend_ids",
+            "reused_service_ids",
+        )
         return slots + sum(len(v) for k, v in vars(self).items() if k not in skip)
 
 
@@ -196,21 +209,23 @@ def plan(
         flags = flags_of(state)
         if current is None:  # the common case of a first sync: every slot is new
             service_id = new_service_id()
+            out.service_ids[frontend] = service_id
             added.extend(wanted)
             if wanted:
-                out.slot_writes[frontend] = dict(enumerate(wanted, start=1))
+                out.slot_writes[service_id] = dict(enumerate(wanted, start=1))
             out.revnat_writes[service_id] = frontend
             for network in state.source_ranges:
                 out.range_writes[(service_id, network)] = frontend
             out.master_writes.append(
                 Master(frontend, len(wanted), service_id, flags, state.affinity_timeout)
             )
-            out.old_counts[frontend] = 0
+            out.old_counts[service_id] = 0
             out.after[frontend] = ProgrammedService(
                 service_id, wanted, state.affinity_timeout, flags
             )
             continue
         service_id = current.service_id
+        out.service_ids[frontend] = service_id
         old_slots = current.slots
         slots = assign_slots(old_slots, wanted)
         added.extend(slots)
@@ -221,7 +236,7 @@ def plan(
             if i > len(old_slots) or old_slots[i - 1] != bid
         }
         if changed:
-            out.slot_writes[frontend] = changed
+            out.slot_writes[service_id] = changed
         if programmed.revnat.get(service_id) != frontend:
             out.revnat_writes[service_id] = frontend
         old_ranges = programmed.source_ranges.get(service_id, frozenset())
@@ -231,7 +246,7 @@ def plan(
         out.range_deletes.update(
             (service_id, n) for n in old_ranges if n not in state.source_ranges
         )
-        out.old_counts[frontend] = len(old_slots)
+        out.old_counts[service_id] = len(old_slots)
         if (len(old_slots), current.affinity_timeout, current.flags) != (
             len(slots),
             state.affinity_timeout,
@@ -244,12 +259,13 @@ def plan(
             out.after[frontend] = ProgrammedService(
                 service_id, slots, state.affinity_timeout, flags
             )
-        out.slot_deletes.extend((frontend, i) for i in range(len(slots) + 1, len(old_slots) + 1))
+        out.slot_deletes.extend((service_id, i) for i in range(len(slots) + 1, len(old_slots) + 1))
 
     for frontend in sorted(stale, key=by_key):
         current = programmed.services[frontend]
+        out.service_ids[frontend] = current.service_id
         out.master_deletes.append(frontend)
-        out.slot_deletes.extend((frontend, i) for i in range(1, len(current.slots) + 1))
+        out.slot_deletes.extend((current.service_id, i) for i in range(1, len(current.slots) + 1))
         removed.extend(current.slots)
         if current.service_id in programmed.revnat:
             out.revnat_deletes[current.service_id] = programmed.revnat[current.service_id]
@@ -263,9 +279,9 @@ def plan(
     refs.subtract(Counter(removed))
     if touched is None:
         out.slot_deletes.extend(
-            (frontend, slot)
-            for frontend, slot in sorted(programmed.stray_slots)
-            if slot not in out.slot_writes.get(frontend, ())
+            (sid, slot)
+            for sid, slot in sorted(programmed.stray_slots)
+            if slot not in out.slot_writes.get(sid, ())
         )
         live = {s.service_id for f, s in programmed.services.items() if f not in stale}
         live.update(out.revnat_writes)

@@ -15,6 +15,7 @@ from collections import Counter
 from pathlib import Path
 
 from kpr.agent import runstate
+from kpr.datapath import abi
 from kpr.lab.netns import Lab
 from kpr.node import host
 
@@ -89,9 +90,10 @@ def main(pods: int = 3, connections: int = 300) -> int:
             _say(f"$ kpr status --bpffs {pin_dir}")
             subprocess.run([*KPR, "status", "--bpffs", str(pin_dir)], check=False)
             _say()
-            _say(f"$ bpftool map dump pinned {pin_dir}/v1_backends4   (first entries)")
+            backends4 = pin_dir / abi.MAPS["kpr_backends4"].pin
+            _say(f"$ bpftool map dump pinned {backends4}   (first entries)")
             dump = subprocess.run(
-                ["bpftool", "map", "dump", "pinned", f"{pin_dir}/v1_backends4"],
+                ["bpftool", "map", "dump", "pinned", str(backends4)],
                 capture_output=True,
                 text=True,
             )

@@ -405,7 +405,7 @@ def test_install_on_a_new_cluster_serves_services(lab):
 
 def test_upgrade_drops_no_connection_and_the_nodes_run_the_new_kpr(lab):
     """ "Upgrade kpr without dropping traffic": this tree's deploy/ and image (a new map
-    layout: 32-bit slots), applied while the clients connect."""
+    layout: ABI v2, slots keyed by service id), applied while the clients connect."""
     lab.write_overlay(f"localhost/kpr:{kpr.__version__}", REPO / "deploy")
     started = time.time()
     lab.run(doc_block("Upgrade kpr without dropping traffic", "kubectl apply -k my-cluster/"))

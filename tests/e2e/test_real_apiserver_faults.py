@@ -149,7 +149,7 @@ def test_drift_made_behind_kprs_back_is_repaired(kube, agent, services):
     maps = BpfMaps(agent.pin_dir)
     try:
         frontend = next(f for f in maps.read().services if str(f) == f"{moving}:80/TCP")
-        maps.delete_services([(frontend, 0)])  # what `bpftool map delete` would do
+        maps.delete_masters([frontend])  # what `bpftool map delete` would do
     finally:
         maps.close()
     eventually(lambda: kube.reached(moving) == kube.names(1), timeout=20, what="repaired")

@@ -15,7 +15,8 @@ import pytest
 
 import kpr
 from kpr.agent import runstate
-from kpr.datapath import loader
+from kpr.datapath import abi, loader
+from kpr.datapath.abi import PIN_PREFIX
 from kpr.datapath.maps import BpfMaps
 from kpr.lab.netns import Lab
 from tests.support import kube
@@ -166,7 +167,7 @@ def test_status_reports_drift_made_behind_the_agents_back(lab, agent):
     maps = BpfMaps(agent.pin_dir)
     state = maps.read()
     frontend = next(f for f in state.services if str(f) == f"{VIP4}:80/TCP")
-    maps.delete_services([(frontend, 0)])
+    maps.delete_masters([frontend])
     maps.close()
     status = status_json(agent.pin_dir)
     assert any(f"{VIP4}:80/TCP" in d and "missing" in d for d in status["drift"])
@@ -349,7 +350,7 @@ def test_a_full_map_fails_only_the_service_that_does_not_fit(lab, agent):
         kube.service("big", ["10.96.0.50"], [("http", 80, "TCP")]),
         kube.endpoint_slice("big", big, [("http", 8080, "TCP")]),
     )
-    agent.args += ["--map-sizes", "services=12"]  # echo takes 4 entries, big would take 11
+    agent.args += ["--map-sizes", "slots=12"]  # echo takes 3 slots, big would take 10
     agent.start()
     agent.wait_synced()
     results = tcp_results(lab, 20)
@@ -357,7 +358,10 @@ def test_a_full_map_fails_only_the_service_that_does_not_fit(lab, agent):
     log = agent.log.read_text()
     assert "map full" in log and "10.96.0.50:80/TCP" in log
     status = status_json(agent.pin_dir)
-    assert status["maps"]["v1_services4"]["entries"] == 4  # big left nothing behind
+    maps = status["maps"]
+    # big left nothing behind: echo's master and its 3 slots only
+    assert maps[f"{PIN_PREFIX}services4"]["entries"] == 1
+    assert maps[f"{PIN_PREFIX}slots"]["entries"] == 3
     assert status["agent"]["failed"] == ["10.96.0.50:80/TCP"]
 
 
@@ -431,16 +435,17 @@ def test_upgrade_to_a_new_map_layout_has_no_moment_without_service(lab, agent):
     """A new kpr version with another ABI version (`v<N>_` pins) starts next to the old
     version's attached programs and maps: it fills its own maps, then swaps the programs,
     then unpins the old ones. Simulated by renaming the pins of this version to v0_: the
-    attached programs use their maps by reference, as an older build's would."""
+    attached programs use their maps by reference, as an older build's would (the real
+    upgrade from the previous ABI: test_upgrade_from_abi_v1...)."""
     echo(lab, agent.log.parent / "manifests")
     agent.start()
     agent.wait_synced()
     agent.kill(signal.SIGKILL)
-    for pin in agent.pin_dir.glob("v1_*"):
-        pin.rename(pin.with_name("v0_" + pin.name.removeprefix("v1_")))
+    for pin in agent.pin_dir.glob(f"{PIN_PREFIX}*"):
+        pin.rename(pin.with_name("v0_" + pin.name.removeprefix(PIN_PREFIX)))
     client = loop_client(lab, 10)  # outlasts the start: compile, first sync, attach
     time.sleep(0.5)
-    agent.start()  # fresh, empty v1 maps: attaching them at once would refuse every connect
+    agent.start()  # fresh, empty maps: attaching them at once would refuse every connect
     agent.wait_synced()
     summary = json.loads(client.communicate(timeout=30)[0])
     assert summary["errors"] == [] and len(summary["counts"]) == 3, summary
@@ -453,26 +458,33 @@ def test_upgrade_to_a_new_map_layout_has_no_moment_without_service(lab, agent):
     assert cgroup_programs.count("kpr_connect4") == 1  # the old program was replaced
 
 
-# The last commit whose service keys and affinity values had a 16-bit slot and padding.
+# Agents of ABI v1 (`v1_` pins: slots in the services maps, keyed by frontend and slot):
+# its last commit, and the last whose service keys and affinity values had a 16-bit slot
+# and padding (pinned maps the later v1 builds kept as they were).
+LAST_V1 = "179f930de1fb79935c6e894061fa628809d149b3"
 SIXTEEN_BIT_SLOTS = "dc47974078eb68f6314e676cf571bca02e04f357"
 
 
-def test_upgrade_from_16_bit_slots_keeps_the_pinned_maps_and_serves_throughout(
-    lab, agent, tmp_path
-):
-    """The previous layout's agent (that commit, run from its own tree) pins and serves;
-    the new one reads its maps as they are (the slot's bytes did not change): it finds
-    them equal to what it wants and writes nothing, swaps the programs with no moment
-    without service, and then writes changes into the same maps."""
-    previous = tmp_path / "previous"
-    previous.mkdir()
-    root = REPO
-    archive = subprocess.run(
-        ["git", "-C", str(root), "archive", SIXTEEN_BIT_SLOTS], capture_output=True
-    )
+def previous_tree(commit: str, into: Path) -> Path:
+    """That commit's tree, to run an agent of it from (skips when not in this checkout)."""
+    into.mkdir()
+    archive = subprocess.run(["git", "-C", str(REPO), "archive", commit], capture_output=True)
     if archive.returncode != 0:
-        pytest.skip(f"the 16-bit slot layout's commit is not in this checkout: {archive.stderr}")
-    subprocess.run(["tar", "-x", "-C", str(previous)], input=archive.stdout, check=True)
+        pytest.skip(f"commit {commit} is not in this checkout: {archive.stderr}")
+    subprocess.run(["tar", "-x", "-C", str(into)], input=archive.stdout, check=True)
+    return into
+
+
+@pytest.mark.parametrize("commit", [LAST_V1, SIXTEEN_BIT_SLOTS], ids=["v1", "v1-16-bit-slots"])
+def test_upgrade_from_abi_v1_serves_throughout_and_unpins_the_old_maps(
+    lab, agent, tmp_path, commit
+):
+    """The previous ABI's agent (that commit, run from its own tree) pins `v1_` maps and
+    serves; the new one fills its own maps while the old programs keep serving from the
+    old ones, swaps the programs with no moment without service, unpins every `v1_` pin,
+    and then writes changes into its own maps."""
+    assert abi.ABI_VERSION != 1
+    previous = previous_tree(commit, tmp_path / "previous")
     source = agent.log.parent / "manifests"
     echo(lab, source)
     new_args = agent.args
@@ -480,10 +492,9 @@ def test_upgrade_from_16_bit_slots_keeps_the_pinned_maps_and_serves_throughout(
     agent.args = ["sh", "-c", 'cd "$0" && exec "$@"', str(previous), *new_args]
     agent.start()
     agent.wait_synced()
-    assert not (agent.pin_dir / "v1_config").exists()  # (a map that build did not have)
-    before = snapshot_maps(agent.pin_dir)
+    assert (agent.pin_dir / "v1_services4").exists()
+    assert not list(agent.pin_dir.glob(f"{PIN_PREFIX}*"))
     agent.kill(signal.SIGKILL)
-    assert status_json(agent.pin_dir)["agent"]["version"] is None  # it did not record one
     client = loop_client(lab, 10)  # outlasts the start: compile, first sync, swap
     time.sleep(0.5)
     agent.args = new_args
@@ -491,10 +502,14 @@ def test_upgrade_from_16_bit_slots_keeps_the_pinned_maps_and_serves_throughout(
     agent.wait_synced()
     summary = json.loads(client.communicate(timeout=30)[0])
     assert summary["errors"] == [] and len(summary["counts"]) == 3, summary
-    log = agent.log.read_text()
-    assert "pinned map replaced" not in log  # the same maps, kept
-    assert "map operations" not in log.split("programs pinned in")[-1]  # read as they were
-    assert snapshot_maps(agent.pin_dir) == before
+    assert not list(agent.pin_dir.glob("v1_*"))  # the old version's pins are gone
+    assert "of another kpr version" in agent.log.read_text()
+    cgroup_programs = subprocess.run(
+        ["bpftool", "cgroup", "show", str(lab.cgroup)], capture_output=True, text=True
+    ).stdout
+    assert cgroup_programs.count("kpr_connect4") == 1  # the old program was replaced
+    status = status_json(agent.pin_dir)
+    assert status["maps"][f"{PIN_PREFIX}slots"]["entries"] == 2 * 2 * 3  # 2 VIPs x 2 ports
     echo(lab, source, pods=(2,))  # slot 1 rewritten, slots 2 and 3 deleted
     agent.wait_synced(after=time.time())
     assert {r["pod"] for r in tcp_results(lab, 20)} == {lab.pods[2].name}
@@ -507,7 +522,7 @@ def test_changing_map_sizes_swaps_in_new_maps_without_a_moment_without_service(l
     agent.start()
     agent.wait_synced()
     agent.kill(signal.SIGKILL)
-    agent.args += ["--map-sizes", "services=8192,backends=4096"]
+    agent.args += ["--map-sizes", "services=8192,backends=4096,slots=16384"]
     client = loop_client(lab, 10)  # outlasts the start: compile, first sync, swap
     time.sleep(0.5)
     agent.start()
@@ -515,13 +530,14 @@ def test_changing_map_sizes_swaps_in_new_maps_without_a_moment_without_service(l
     summary = json.loads(client.communicate(timeout=30)[0])
     assert summary["errors"] == [] and len(summary["counts"]) == 3, summary
     maps = status_json(agent.pin_dir)["maps"]
-    assert (maps["v1_services4"]["max_entries"], maps["v1_backends4"]["max_entries"]) == (
-        8192,
-        4096,
-    )
-    assert maps["v1_services4"]["entries"] == 2 * (1 + 3)  # refilled: 2 ports x (master + 3)
+    sizes = {name: maps[f"{PIN_PREFIX}{name}"]["max_entries"] for name in ("services4", "slots")}
+    assert sizes == {"services4": 8192, "slots": 16384}
+    assert maps[f"{PIN_PREFIX}backends4"]["max_entries"] == 4096
+    # refilled: 2 ports, a master and 3 slots each (and the IPv6 VIP's as many)
+    assert maps[f"{PIN_PREFIX}services4"]["entries"] == 2
+    assert maps[f"{PIN_PREFIX}slots"]["entries"] == 2 * 2 * 3
     assert not list(agent.pin_dir.glob("retired_*"))
-    assert "pinned map replaced: v1_services4" in agent.log.read_text()
+    assert f"pinned map replaced: {PIN_PREFIX}services4" in agent.log.read_text()
 
 
 # --- kpr status NAMESPACE/NAME: why an endpoint gets traffic or not ---------------------

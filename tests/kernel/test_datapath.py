@@ -174,7 +174,7 @@ def test_connects_read_a_small_services_slot_block_and_fall_back_to_its_slots(cl
     maps = cluster.agent.maps
     service = maps.read().services[frontend]
     # the slot entries gone behind the agent's back: the block still serves
-    maps.delete_services([(frontend, slot) for slot in range(1, len(service.slots) + 1)])
+    maps.delete_slots([(service.service_id, slot) for slot in range(1, len(service.slots) + 1)])
     results = cluster.probe("tcp", VIP4, 80, "--count", 12)
     assert {r.get("error") for r in results} == {None}
     # and an empty block sends the hooks to the (missing) slot entries
@@ -191,21 +191,18 @@ def test_many_backends_and_unreachable_slots_are_written_on_two_threads(cluster)
     from ipaddress import ip_address
 
     from kpr.datapath import maps as maps_module
-    from kpr.model import Backend, Frontend
+    from kpr.model import Backend
 
     n = maps_module._CONCURRENT
     backends = {
         10_000 + i: Backend(ip_address(f"10.128.{i // 250}.{i % 250 + 1}"), 8080) for i in range(n)
     }
-    slots = {
-        Frontend(ip_address(f"10.97.{i // 250}.{i % 250 + 1}"), 80, "TCP"): {1: 10_000 + i}
-        for i in range(n)
-    }
+    slots = {50_000 + i: {1: 10_000 + i} for i in range(n)}  # service ids no master has
     written = cluster.agent.maps.write_backends_with(backends, slots)
     assert [w.failed for w in written] == [set(), set()]
     state = cluster.agent.maps.read()
     assert {bid: state.backends[bid] for bid in backends} == backends
-    assert {(f, 1) for f in slots} <= state.stray_slots  # slots no master counts yet
+    assert {(sid, 1) for sid in slots} <= state.stray_slots  # slots no master counts yet
 
 
 def test_a_service_id_past_the_slot_block_array_gets_no_block_and_no_error(cluster):

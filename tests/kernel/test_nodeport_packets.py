@@ -604,6 +604,22 @@ def test_flows_spread_over_backends_without_affinity(lab):
     assert len(seen) > 1 and seen <= set(LOCAL_PODS)
 
 
+def test_a_small_frontends_slot_block_is_read_before_its_slot_entries(lab):
+    """TC takes a slot as the socket hooks do (kpr/bpf/lb.h): from the frontend's slot
+    block when it has one and the block's entry is not 0, else from kpr_slots."""
+    fe = Frontend(h.NODE4, 30080, TCP_P)
+    service_id = lab.add_service(fe, [(LOCAL_PODS[0], 8080)])
+    lab.add_service(Frontend(h.NODE4, 1, TCP_P), [(LOCAL_PODS[1], 8080)])
+    in_block = lab.backend_ids(Frontend(h.NODE4, 1, TCP_P))[0]
+    try:
+        lab.set_block(service_id, [in_block])
+        assert backend_of(lab, frame(h.CLIENT4, h.NODE4, 40000, 30080, TCP_P)) == LOCAL_PODS[1]
+        lab.set_block(service_id, [])
+        assert backend_of(lab, frame(h.CLIENT4, h.NODE4, 40001, 30080, TCP_P)) == LOCAL_PODS[0]
+    finally:
+        lab.set_block(service_id, [])
+
+
 @pytest.mark.parametrize("version", [4, 6])
 def test_session_affinity_keeps_a_client_on_one_backend(lab, version):
     a = FAMILIES[version]
@@ -624,7 +640,7 @@ def test_session_affinity_keeps_a_client_on_one_backend(lab, version):
 
 def test_session_affinity_moves_when_the_backend_leaves_its_slot(lab):
     fe = Frontend(h.NODE4, 30080, TCP_P)
-    lab.add_service(fe, [(pod, 8080) for pod in LOCAL_PODS], affinity_timeout=60)
+    service_id = lab.add_service(fe, [(pod, 8080) for pod in LOCAL_PODS], affinity_timeout=60)
     first = backend_of(lab, frame(h.CLIENT4, h.NODE4, 40000, 30080, TCP_P))
     # the agent moves another backend into every slot
     ids = lab.backend_ids(fe)
@@ -632,20 +648,20 @@ def test_session_affinity_moves_when_the_backend_leaves_its_slot(lab):
     del replacement
     new_id = lab.backend_ids(Frontend(h.NODE4, 1, TCP_P))[0]
     for slot in range(1, len(ids) + 1):
-        lab.put("kpr_services4", lab.service_key(fe, slot), abi.ServiceValue(backend_id=new_id))
+        lab.set_slot(service_id, slot, new_id)
     later = backend_of(lab, frame(h.CLIENT4, h.NODE4, 40001, 30080, TCP_P))
     assert first != later == "10.244.0.99"
 
 
 def test_a_new_connection_on_a_flow_whose_backend_is_gone_starts_over(lab):
     fe = Frontend(h.NODE4, 30080, TCP_P)
-    lab.add_service(fe, [(h.LOCAL_POD4, 8080)])
+    service_id = lab.add_service(fe, [(h.LOCAL_POD4, 8080)])
     assert backend_of(lab, frame(h.CLIENT4, h.NODE4, 40000, 30080, TCP_P)) == h.LOCAL_POD4
     old_id = lab.backend_ids(fe)[0]
     # the endpoint goes: another backend takes the slot, the old one is deleted
     lab.add_service(Frontend(h.NODE4, 1, TCP_P), [("10.244.0.11", 8080)])
     new_id = lab.backend_ids(Frontend(h.NODE4, 1, TCP_P))[0]
-    lab.put("kpr_services4", lab.service_key(fe, 1), abi.ServiceValue(backend_id=new_id))
+    lab.set_slot(service_id, 1, new_id)
     lab.delete_backend(old_id, v6=False)
     # packets of the established connection still follow it...
     ack = frame(h.CLIENT4, h.NODE4, 40000, 30080, TCP_P, flags="A")

@@ -50,14 +50,13 @@ def populate(api: TestApiServer, services: int, endpoints: int) -> None:
 def backends_of(maps: BpfMaps, vip: str) -> set[str]:
     """The frontend's backend addresses, straight from the kernel maps."""
     services, backends = maps.maps["kpr_services4"], maps.maps["kpr_backends4"]
-    key = abi.Service4Key(port=80, protocol=6)
+    key = abi.Frontend4Key(port=80, protocol=6)
     key.address[:] = ip_address(vip).packed
     master = services.lookup(key)
     out = set()
     for slot in range(1, (master.count if master else 0) + 1):
-        key.slot = slot
-        entry = services.lookup(key)
-        backend = backends.lookup(ct.c_uint32(entry.backend_id)) if entry else None
+        entry = maps.maps["kpr_slots"].lookup(abi.SlotKey(master.service_id, slot))
+        backend = backends.lookup(ct.c_uint32(entry.value)) if entry else None
         if backend is not None:
             out.add(str(IPv4Address(bytes(backend.address))))
     return out

@@ -89,13 +89,16 @@ class Cluster:
 
 
 def expected_counts(view: dict[str, list[str]]) -> dict[str, int]:
-    """Entries each map must hold for a view: a master plus a slot per backend in the
-    service maps, one entry per distinct backend, one reverse entry per frontend."""
+    """Entries each map must hold for a view: a master per frontend in the service maps,
+    a slot per backend of each frontend (both families in one map), one entry per distinct
+    backend, one reverse entry per frontend."""
     counts = {f"{m}{v}": 0 for m in ("services", "backends", "revnat") for v in (4, 6)}
+    counts["slots"] = 0
     backends: dict[int, set[str]] = {4: set(), 6: set()}
     for frontend, members in view.items():
         v = 6 if frontend.startswith("[") else 4
-        counts[f"services{v}"] += 1 + len(members)
+        counts[f"services{v}"] += 1
+        counts["slots"] += len(members)
         counts[f"revnat{v}"] += 1
         backends[v].update(members)
     for v in (4, 6):
@@ -129,7 +132,7 @@ def map_entries(status: dict) -> dict[str, int]:
         name.split("_", 1)[1]: m["entries"]
         for name, m in status["maps"].items()
         if name.split("_", 1)[1]
-        in {f"{b}{v}" for b in ("services", "backends", "revnat") for v in (4, 6)}
+        in {f"{b}{v}" for b in ("services", "backends", "revnat") for v in (4, 6)} | {"slots"}
     }
 
 

@@ -257,6 +257,7 @@ class Lab:
         for name in (
             "kpr_services4",
             "kpr_services6",
+            "kpr_slots",
             "kpr_backends4",
             "kpr_backends6",
             "kpr_ct",
@@ -313,41 +314,49 @@ class Lab:
             self.put("kpr_backends6" if v6 else "kpr_backends4", ct.c_uint32(backend_id), backend)
             ids.append(backend_id)
         for slot, backend_id in enumerate(ids, start=1):
-            self.put(
-                services,
-                self.service_key(frontend, slot, scope),
-                abi.ServiceValue(backend_id=backend_id),
-            )
+            self.set_slot(service_id, slot, backend_id)
         master = abi.ServiceValue(
             count=len(ids), service_id=service_id, flags=flags, affinity_timeout=affinity_timeout
         )
-        self.put(services, self.service_key(frontend, 0, scope), master)
+        self.put(services, self.frontend_key(frontend, scope), master)
         return service_id
 
+    def set_slot(self, service_id: int, slot: int, backend_id: int) -> None:
+        """Slot `slot` of the frontend with that service id names `backend_id` (kpr_slots;
+        no slot block is written, so the programs read this entry)."""
+        self.put("kpr_slots", abi.SlotKey(service_id, slot), ct.c_uint32(backend_id))
+
+    def set_block(self, service_id: int, backend_ids: list[int]) -> None:
+        """The slot block of that service id (kpr_slot_blocks); 0s send readers to kpr_slots."""
+        ids = backend_ids + [0] * (abi.BLOCK_SLOTS - len(backend_ids))
+        block = abi.SlotBlock((ct.c_uint32 * abi.BLOCK_SLOTS)(*ids))
+        self.put("kpr_slot_blocks", ct.c_uint32(service_id), block)
+
     @staticmethod
-    def service_key(frontend: Frontend, slot: int, scope: int = SCOPE_EXTERNAL):
+    def frontend_key(frontend: Frontend, scope: int = SCOPE_EXTERNAL):
         raw = addr_bytes(frontend.address)
         if len(raw) == 16:
-            return abi.Service6Key(
+            return abi.Frontend6Key(
                 address=(ct.c_uint8 * 16)(*raw),
                 port=frontend.port,
                 protocol=frontend.protocol,
                 scope=scope,
-                slot=slot,
             )
-        return abi.Service4Key(
+        return abi.Frontend4Key(
             address=(ct.c_uint8 * 4)(*raw),
             port=frontend.port,
             protocol=frontend.protocol,
             scope=scope,
-            slot=slot,
         )
 
-    def backend_ids(self, frontend: Frontend) -> list[int]:
+    def master(self, frontend: Frontend) -> abi.ServiceValue:
         services = "kpr_services6" if family(frontend.address) == 6 else "kpr_services4"
-        master = self.get(services, self.service_key(frontend, 0), abi.ServiceValue)
+        return self.get(services, self.frontend_key(frontend), abi.ServiceValue)
+
+    def backend_ids(self, frontend: Frontend) -> list[int]:
+        master = self.master(frontend)
         return [
-            self.get(services, self.service_key(frontend, slot), abi.ServiceValue).backend_id
+            self.get("kpr_slots", abi.SlotKey(master.service_id, slot), ct.c_uint32).value
             for slot in range(1, master.count + 1)
         ]
 

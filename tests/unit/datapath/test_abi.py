@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import ctypes as ct
 import re
-import struct
 
 from kpr import model
 from kpr.datapath import abi
@@ -53,28 +52,32 @@ def test_constants_handed_to_the_compile_are_abi_py_s():
     assert '#define KPR_PIN(name) KPR_PIN_DIR "/v" KPR_STR(KPR_ABI_VERSION) "_" name' in header
 
 
-def test_32_bit_slots_are_the_bytes_of_the_earlier_16_bit_slots_and_padding():
-    """The service keys and affinity values had a 16-bit slot and zero padding: the maps
-    pinned by that layout stay usable as they are (same sizes, same bytes)."""
-    old4, old6 = struct.Struct("<4sHBBHxx"), struct.Struct("<16sHBBHxx")
-    assert (old4.size, old6.size) == (abi.SERVICE4_KEY.size, abi.SERVICE6_KEY.size)
-    for slot in (0, 1, 4096, 4097, 65535):
-        v4, v6 = bytes([10, 96, 0, 10]), bytes(range(16))
-        assert abi.SERVICE4_KEY.pack(v4, 80, 6, 1, slot) == old4.pack(v4, 80, 6, 1, slot)
-        assert abi.SERVICE6_KEY.pack(v6, 80, 17, 0, slot) == old6.pack(v6, 80, 17, 0, slot)
-        new = bytes(abi.Affinity(last_used_ns=5, backend_id=7, slot=slot))
-        assert new == struct.pack("<QIHxx", 5, 7, slot)
-    assert ct.sizeof(abi.Affinity) == struct.calcsize("<QIHxx")
+def test_the_services_maps_hold_one_master_per_frontend_and_slots_are_family_free():
+    """ABI v2: a services key is the frontend alone (no slot); every frontend's slots, of
+    both families, are in kpr_slots under its service id."""
+    assert abi.ABI_VERSION == 2
+    assert [name for name, *_ in abi.Frontend4Key._fields_] == [
+        "address",
+        "port",
+        "protocol",
+        "scope",
+    ]
+    assert [name for name, *_ in abi.SlotKey._fields_] == ["service_id", "slot"]
+    assert abi.MAPS["kpr_slots"].value is ct.c_uint32  # the backend id
+    assert abi.MAPS["kpr_slots"].size == "slots"
+    assert "-DKPR_SLOTS_MAX=1048576" in abi.MapSizes().cflags()
+    assert abi.MapSizes.parse("slots=4096").slots == 4096
 
 
 def test_struct_formats_pack_the_same_bytes_as_the_ctypes_mirror():
     v4, v6 = bytes([10, 96, 0, 10]), bytes(range(16))
-    key4 = abi.Service4Key(address=(ct.c_uint8 * 4)(*v4), port=80, protocol=6, scope=1, slot=3)
-    assert abi.SERVICE4_KEY.pack(v4, 80, 6, 1, 3) == bytes(key4)
-    key6 = abi.Service6Key(address=(ct.c_uint8 * 16)(*v6), port=53, protocol=17, slot=1)
-    assert abi.SERVICE6_KEY.pack(v6, 53, 17, 0, 1) == bytes(key6)
-    value = abi.ServiceValue(backend_id=7, count=2, service_id=9, flags=1, affinity_timeout=60)
-    assert abi.SERVICE_VALUE.pack(7, 2, 9, 1, 60) == bytes(value)
+    key4 = abi.Frontend4Key(address=(ct.c_uint8 * 4)(*v4), port=80, protocol=6, scope=1)
+    assert abi.FRONTEND4_KEY.pack(v4, 80, 6, 1) == bytes(key4)
+    key6 = abi.Frontend6Key(address=(ct.c_uint8 * 16)(*v6), port=53, protocol=17)
+    assert abi.FRONTEND6_KEY.pack(v6, 53, 17, 0) == bytes(key6)
+    value = abi.ServiceValue(count=2, service_id=9, flags=1, affinity_timeout=60)
+    assert abi.SERVICE_VALUE.pack(2, 9, 1, 60) == bytes(value)
+    assert abi.SLOT_KEY.pack(9, 3) == bytes(abi.SlotKey(service_id=9, slot=3))
     device = abi.Device((ct.c_uint8 * 4)(*v4), (ct.c_uint8 * 16)(*v6))
     assert abi.DEVICE.pack(v4, v6) == bytes(device)
     key = abi.SourceRangeKey(56, 9, (ct.c_uint8 * 16)(*v4))

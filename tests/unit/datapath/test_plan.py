@@ -93,7 +93,7 @@ def test_removed_service_leaves_no_entries_behind():
     assert served(maps) == {fe(2): {be(3)}}
     assert set(maps.backends.values()) == {be(3)}
     assert len(maps.revnat) == 1
-    assert len(maps.services) == 2  # b's master and its one slot
+    assert (len(maps.services), len(maps.slots)) == (1, 1)  # b's master and its one slot
 
 
 def test_unchanged_backends_keep_their_slots():
@@ -121,8 +121,8 @@ def test_adopting_existing_maps_writes_only_the_difference():
 
 
 def test_full_map_keeps_the_previous_state_of_the_failing_service():
-    maps = MemoryMaps(capacity=6)
-    sync(maps, want(a=[1, 2]))  # 3 service entries, 2 backends, 1 revnat
+    maps = MemoryMaps(capacity=6)  # each map
+    sync(maps, want(a=[1, 2]))  # 1 master, 2 slots, 2 backends, 1 revnat
     steps = plan(maps.read(), want(a=[1, 2], b=[3, 4, 5, 6, 7]))
     result = execute(maps, steps)
     assert result.failed == {fe(2)}
@@ -135,9 +135,12 @@ def test_stray_slots_from_an_interrupted_write_are_removed():
     maps = strict_maps()
     sync(maps, want(a=[1, 2]))
     maps.check = None
-    maps.services[(fe(1), 7)] = maps.services[(fe(1), 1)]  # above the count
+    sid = maps.services[fe(1)].service_id
+    maps.slots[(sid, 7)] = maps.slots[(sid, 1)]  # above the count
+    maps.slots[(sid + 5, 1)] = maps.slots[(sid, 1)]  # a service id no master has
+    assert maps.read().stray_slots == {(sid, 7), (sid + 5, 1)}
     sync(maps, want(a=[1, 2]))
-    assert (fe(1), 7) not in maps.services
+    assert set(maps.slots) == {(sid, 1), (sid, 2)}
 
 
 def test_apply_plan_predicts_what_the_maps_hold():
@@ -206,15 +209,15 @@ def test_plans_for_only_the_changed_frontends_end_in_the_same_maps(sequence):
 
 
 def test_when_the_map_fills_the_services_that_fit_are_written_whole():
-    # 12 service entries: a needs 4 (master + 3 slots), b needs 11; the batch that
-    # writes every slot first fills the map, and then no master would fit
+    # 12 entries in each map: a needs 3 slots, b needs 10; the batch that writes every
+    # slot first fills the slot map, and then b's master would count slots not there
     maps = MemoryMaps(capacity=12)
     steps = plan(maps.read(), want(a=[1, 2, 3], b=list(range(4, 14))))
     result = execute(maps, steps)
     assert result.failed == {fe(2)}
     assert served(maps) == {fe(1): {be(1), be(2), be(3)}}
     assert not consistent(maps)
-    assert len(maps.services) == 4  # b left nothing behind
+    assert (len(maps.services), len(maps.slots)) == (1, 3)  # b left nothing behind
     assert_blocks_match_slots(maps)  # a's block, written on the one-by-one path
 
 
@@ -321,3 +324,21 @@ def test_service_ids_of_deleted_frontends_are_reused_and_a_live_ones_never_chang
         f: s.service_id for f, s in programmed.services.items()
     }
     assert maps.read().free_service_ids == programmed.free_service_ids
+
+
+def test_a_deleted_frontends_service_id_goes_to_a_later_plans_new_frontend():
+    """Slots are keyed by service id: an id freed by a plan is given by a later one only,
+    once every entry of its previous frontend is gone (the strict maps check after every
+    single operation that no two masters share an id and every counted slot is there)."""
+    maps = strict_maps()
+    sync(maps, want(a=[1, 2], b=[3]))
+    freed = maps.read().services[fe(1)].service_id
+    sync(maps, want(b=[3], c=[4]))  # a goes as c comes: c takes a new id
+    assert maps.read().services[fe(3)].service_id != freed
+    assert maps.read().free_service_ids == [freed]
+    sync(maps, want(b=[3], c=[4], d=[5, 6]))  # the next new frontend takes a's
+    assert maps.read().services[fe(4)].service_id == freed
+    assert served(maps)[fe(4)] == {be(5), be(6)}
+    assert set(maps.slots) == {
+        (s.service_id, i) for s in maps.read().services.values() for i in (1, 2)[: len(s.slots)]
+    }
