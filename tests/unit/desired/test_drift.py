@@ -62,8 +62,9 @@ def test_the_agent_counts_what_was_changed_in_the_maps_since_it_wrote_them() -> 
     # behind its back: one backend's address rewritten, one frontend's entries deleted
     backend_id = next(i for i, b in maps.backends.items() if b == be(1))
     maps.backends[backend_id] = be(9)
-    for key in [k for k in maps.services if k[0] == fe(3)]:  # (frontend, slot)
-        del maps.services[key]
+    gone = maps.services.pop(fe(3))  # its master, then its slots (service id, slot)
+    for key in [k for k in maps.slots if k[0] == gone.service_id]:
+        del maps.slots[key]
     found = drift(entries(written), entries(maps.read()))
     assert [d.frontend for d in found] == ["10.96.0.1:80/TCP", "10.96.0.3:80/TCP"]
 
