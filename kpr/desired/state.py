@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Collection, Iterable
 
-from kpr.desired.translate import orphan_slices, translate_service
+from kpr.desired.translate import orphan_slices, port_field, translate_service
 from kpr.model import (
     EndpointSlice,
     Frontend,
@@ -54,6 +54,8 @@ class DesiredState:
         self._claims: dict[ServiceName, dict[Frontend, FrontendState | None]] = {}
         self._problems: dict[ServiceName, list[Problem]] = {}  # only Services with some
         self._rivals: dict[Frontend, set[ServiceName]] = {}  # contested frontends' claimants
+        self._services: dict[ServiceName, Service] = {}  # to name a loser's port
+        self._node = NodeContext()
 
     def update(
         self,
@@ -73,10 +75,11 @@ class DesiredState:
                 slices_of.setdefault(key, []).append(endpoint_slice)
         if changed is None:  # the whole state: start again
             self.translation = Translation()
-            self._claims, self._problems, self._rivals = {}, {}, {}
+            self._claims, self._problems, self._rivals, self._services = {}, {}, {}, {}
             keys: Collection[ServiceName] = by_key.keys() | slices_of.keys()
         else:
             keys = changed
+        self._node = node
         touched: set[Frontend] = set()
         if changed is not None:
             for key in keys:
@@ -88,6 +91,7 @@ class DesiredState:
                 if orphans:
                     self._problems[key] = orphans
                 continue
+            self._services[key] = service
             translation = translate_service(service, slices_of.get(key, ()), node)
             if translation.problems:
                 self._problems[key] = translation.problems
@@ -104,6 +108,7 @@ class DesiredState:
         desired.no_local_endpoints.pop(key, None)
         desired.local_endpoints.pop(key, None)
         self._problems.pop(key, None)
+        self._services.pop(key, None)
         claims = self._claims.pop(key, {})
         owners = desired.owners
         for frontend in claims:
@@ -172,6 +177,7 @@ class DesiredState:
                         f"{frontend} is also claimed by Service {owner[0]}/{owner[1]}, "
                         "which keeps it",
                         ObjectRef("Service", *loser),
+                        port_field(self._services[loser], frontend, self._node),
                     )
                 )
         self.translation.problems = problems

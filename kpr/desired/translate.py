@@ -144,6 +144,14 @@ def _translate_service(
             )
 
 
+def port_field(service: Service, frontend: Frontend, node: NodeContext) -> str | None:
+    """The Service port a frontend of the Service is served for, as a field path."""
+    for index, port in enumerate(service.ports):
+        if any(f == frontend for f, _, _ in frontends_of(service, port, node)):
+            return f"spec.ports[{index}]"
+    return None
+
+
 def frontends_of(
     service: Service, port: ServicePort, node: NodeContext
 ) -> Iterator[tuple[Frontend, str, str]]:

@@ -61,8 +61,8 @@ def test_the_first_by_namespace_and_name_keeps_a_contested_frontend_whichever_ca
         (problem,) = state.translation.problems
         assert problem.ref == ObjectRef("Service", "default", "beta")
         assert str(problem) == (
-            "Service default/beta: 10.96.0.10:80/TCP is also claimed by Service "
-            "default/alpha, which keeps it"
+            "Service default/beta: spec.ports[0]: 10.96.0.10:80/TCP is also claimed by "
+            "Service default/alpha, which keeps it"
         )
         whole = translate([alpha[0], beta[0]], [alpha[1], beta[1]], NODE)
         assert_same(state.translation, whole)
@@ -245,3 +245,13 @@ def test_a_one_file_change_in_a_directory_of_many_services_touches_only_its_fron
     assert touched == {frontend}
     assert [str(b) for b in state.translation.frontends[frontend].backends] == ["10.244.0.99:8080"]
     assert len(state.translation.frontends) == 50
+
+
+def test_the_losers_problem_names_the_port_that_claims_the_frontend() -> None:
+    dns = ServicePort("dns", "UDP", 53)
+    http = ServicePort("http", "TCP", 80)
+    state = DesiredState()
+    fold(state, service("b", ports=(dns, http)))
+    fold(state, service("a", ports=(http,)))
+    (problem,) = state.translation.problems
+    assert (problem.ref.name, problem.field) == ("b", "spec.ports[1]")
