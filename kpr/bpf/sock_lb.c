@@ -166,6 +166,18 @@ static __always_inline bool remember_on_socket(struct bpf_sock_addr *ctx, const 
 	return true;
 }
 
+/* Write `from`:`from_port` (port in host order) where the hook keeps its address
+ * and port (network order). */
+static __always_inline void put_address(__u32 *address, __u32 *port, const __u32 *from,
+					__u16 from_port, int words)
+{
+#pragma unroll
+	for (int i = 0; i < 4; i++)
+		if (i < words)
+			address[i] = from[i];
+	*port = bpf_htons(from_port);
+}
+
 /* If `peer` says `address`:`port` is its backend, put its service there. */
 static __always_inline bool put_service(const struct kpr_sock_peer *peer, __u32 *address,
 					__u32 *port, int words)
@@ -179,11 +191,7 @@ static __always_inline bool put_service(const struct kpr_sock_peer *peer, __u32 
 	for (int i = 0; i < 4; i++)
 		if (i < words && backend[i] != address[i])
 			return false;
-#pragma unroll
-	for (int i = 0; i < 4; i++)
-		if (i < words)
-			address[i] = service[i];
-	*port = bpf_htons(peer->service_port);
+	put_address(address, port, service, peer->service_port, words);
 	kpr_stat_inc(KPR_STAT_REVERSED);
 	return true;
 }
@@ -267,11 +275,7 @@ static __always_inline bool recall_revnat(__u64 cookie, __u32 *address, __u32 *p
 		service = (const __u32 *)rval->address;
 		service_port = rval->port;
 	}
-#pragma unroll
-	for (int i = 0; i < 4; i++)
-		if (i < words)
-			address[i] = service[i];
-	*port = bpf_htons(service_port);
+	put_address(address, port, service, service_port, words);
 	return true;
 }
 
@@ -304,11 +308,7 @@ static __always_inline int pick_backend(struct bpf_sock_addr *ctx, __u32 *addres
 	else if (!remember_on_socket(ctx, address, service_port, backend, backend_port, words))
 		remember_revnat(cookie, address, service_port, backend, backend_port, words);
 
-#pragma unroll
-	for (int i = 0; i < 4; i++)
-		if (i < words)
-			address[i] = backend[i];
-	*port = bpf_htons(backend_port);
+	put_address(address, port, backend, backend_port, words);
 	return KPR_PICK_BACKEND;
 }
 
