@@ -206,6 +206,9 @@ class Agent:
             # (type, key, value, max entries) changed by --map-sizes or a new build: a new
             # map is made and filled; the old one serves until the programs are swapped
             log.warning("pinned map replaced: %s", change)
+        for carried in loader.carry_over_state(cfg.pin_dir, cfg.sizes):
+            # an upgrade: established sockets and NodePort flows keep their state
+            log.info("per-connection map of the previous version kept: %s", carried)
         # chosen here, once: the loader children inherit BCC_KERNEL_SOURCE from this process
         with host.kernel_headers() as headers:
             self.kernel_headers = headers

@@ -93,6 +93,63 @@ def retire_mismatched_maps(pin_dir: Path, sizes: abi.MapSizes) -> list[str]:
     return retired
 
 
+# Per-connection state whose layout did not change with the ABI version: an upgrade
+# pins the previous version's map under this version's name, so sockets connected
+# before it still show their Service (getpeername, recvmsg) and NodePort flows keep
+# their backend and NAT. The maps keyed by service or backend ids (affinity) start
+# anew: a new version numbers its frontends and backends afresh.
+CARRIED = ("kpr_sock_revnat4", "kpr_sock_revnat6", "kpr_sock_peers", "kpr_ct", "kpr_nat")
+BPF_MAP_TYPE_SK_STORAGE = 24
+
+
+def _layout(path: Path) -> tuple[int, int, int, int]:
+    fd = bpfsys.obj_get(path)
+    try:
+        info = bpfsys.map_info(fd)
+    finally:
+        os.close(fd)
+    return (info.map_type, info.key_size, info.value_size, info.max_entries)
+
+
+def carry_over_state(pin_dir: Path, sizes: abi.MapSizes) -> list[str]:
+    """Pin the per-connection maps of the newest other version (`CARRIED` and the socket
+    storage) under this version's names, where this version has none yet and the
+    layout and size are the same. The old pins go with `remove_other_versions`; the
+    maps live on under the new ones. Which maps were carried over."""
+    wanted = {
+        abi.MAPS[name].pin: (
+            abi.MAPS[name].map_type,
+            abi.MAPS[name].key_size,
+            abi.MAPS[name].value_size,
+            sizes.max_entries(abi.MAPS[name]),
+        )
+        for name in CARRIED
+    }
+    wanted[abi.SOCK_PEER_PIN] = (BPF_MAP_TYPE_SK_STORAGE, 4, ctypes.sizeof(abi.SockPeer), 0)
+    carried = []
+    for pin, layout in wanted.items():
+        short = pin.removeprefix(abi.PIN_PREFIX)
+        if (pin_dir / pin).exists():
+            continue
+        older = [
+            p
+            for p in pin_dir.glob(f"v*_{short}")
+            if p.name.split("_", 1)[0][1:].isdigit() and p.name != pin
+        ]
+        if not older:
+            continue
+        newest = max(older, key=lambda p: int(p.name.split("_", 1)[0][1:]))
+        if _layout(newest) != layout:
+            continue  # another layout or size: this version starts an empty map
+        fd = bpfsys.obj_get(newest)
+        try:
+            bpfsys.obj_pin(fd, pin_dir / pin)
+        finally:
+            os.close(fd)
+        carried.append(f"{newest.name} -> {pin}")
+    return carried
+
+
 def check_pinned_maps(pin_dir: Path, sizes: abi.MapSizes) -> None:
     """BCC reuses a pinned map without looking at it: refuse one whose layout or
     size differs from what this build expects, rather than corrupt it."""

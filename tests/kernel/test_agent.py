@@ -475,6 +475,16 @@ def previous_tree(commit: str, into: Path) -> Path:
     return into
 
 
+# Connects, says so, and at a line on stdin prints the socket's getpeername.
+HELD_CONNECTION = """
+import json, socket, sys
+s = socket.create_connection((sys.argv[1], 80), timeout=5)
+print("connected", flush=True)
+sys.stdin.readline()
+print(json.dumps(list(s.getpeername())))
+"""
+
+
 @pytest.mark.parametrize("commit", [LAST_V1, SIXTEEN_BIT_SLOTS], ids=["v1", "v1-16-bit-slots"])
 def test_upgrade_from_abi_v1_serves_throughout_and_unpins_the_old_maps(
     lab, agent, tmp_path, commit
@@ -494,6 +504,14 @@ def test_upgrade_from_abi_v1_serves_throughout_and_unpins_the_old_maps(
     agent.wait_synced()
     assert (agent.pin_dir / "v1_services4").exists()
     assert not list(agent.pin_dir.glob(f"{PIN_PREFIX}*"))
+    # a connection made through the old programs, held open across the upgrade
+    held = lab.popen_client(
+        [sys.executable, "-c", HELD_CONNECTION, VIP4],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert held.stdout is not None and held.stdout.readline().strip() == "connected"
     agent.kill(signal.SIGKILL)
     client = loop_client(lab, 10)  # outlasts the start: compile, first sync, swap
     time.sleep(0.5)
@@ -502,6 +520,10 @@ def test_upgrade_from_abi_v1_serves_throughout_and_unpins_the_old_maps(
     agent.wait_synced()
     summary = json.loads(client.communicate(timeout=30)[0])
     assert summary["errors"] == [] and len(summary["counts"]) == 3, summary
+    # its per-connection state was carried over: it still shows the Service, not the pod
+    shown = json.loads(held.communicate("\n", timeout=10)[0])
+    assert shown == [VIP4, 80], shown
+    assert "per-connection map of the previous version kept" in agent.log.read_text()
     assert not list(agent.pin_dir.glob("v1_*"))  # the old version's pins are gone
     assert "of another kpr version" in agent.log.read_text()
     cgroup_programs = subprocess.run(
