@@ -96,6 +96,7 @@ class AgentConfig:
     cgroup: Path | None = None  # None: the root of the cgroup v2 mount
     node: NodeContext = field(default_factory=NodeContext)
     sizes: abi.MapSizes = field(default_factory=abi.MapSizes)
+    max_services: int = abi.MAX_SERVICES  # the knob `sizes` were derived from (--max-services)
     devices: tuple[Device, ...] = ()  # where the TC program serves external traffic
     reply_devices: tuple[Device, ...] = ()  # where it is for masqueraded flows' replies only
     # --devices, followed at run time (netlink); None: the devices above, fixed
