@@ -88,15 +88,23 @@ def _owner(translation: Translation, frontend: Frontend) -> ServiceName:
     return owner
 
 
-def used(programmed: ProgrammedState) -> dict[str, int]:
-    """Entries each counted map holds now (as the agent wrote them)."""
+def used(programmed: ProgrammedState, exact: bool = True) -> dict[str, int]:
+    """Entries each counted map holds now (as the agent wrote them). Not `exact`: both
+    families' entries counted for each (no walk of 100,000s of entries: a bound that
+    suffices when everything fits)."""
     out = dict.fromkeys(_MAPS, 0)
-    for frontend in programmed.services:
-        out["services" + _family(frontend)] += 1
-    for backend in programmed.backends.values():
-        out["backends" + _family(backend)] += 1
-    for frontend in programmed.revnat.values():
-        out["revnat" + _family(frontend)] += 1
+    if exact:
+        for frontend in programmed.services:
+            out["services" + _family(frontend)] += 1
+        for backend in programmed.backends.values():
+            out["backends" + _family(backend)] += 1
+        for frontend in programmed.revnat.values():
+            out["revnat" + _family(frontend)] += 1
+    else:
+        for family in "46":
+            out["services" + family] = len(programmed.services)
+            out["backends" + family] = len(programmed.backends)
+            out["revnat" + family] = len(programmed.revnat)
     out["service_ids"] = programmed.max_service_id + 1
     out["slots"] = sum(len(s.slots) for s in programmed.services.values())
     out["slots"] += len(programmed.stray_slots)
@@ -112,6 +120,19 @@ def fit(
 ) -> Fit:
     """Which Services of `translation` (those of `touched`, or all) the plan can take
     without a map overflowing; see the module's docstring."""
+    rough = _fit(programmed, translation, sizes, touched, used(programmed, exact=False))
+    if not rough.left_out and not rough.shortfalls:
+        return rough  # (the common case, at the cost of the Services planned only)
+    return _fit(programmed, translation, sizes, touched, used(programmed))
+
+
+def _fit(
+    programmed: ProgrammedState,
+    translation: Translation,
+    sizes: abi.MapSizes,
+    touched: set[Frontend] | None,
+    base: dict[str, int],
+) -> Fit:
     desired = translation.frontends
     wanted = set(desired) if touched is None else touched & desired.keys()
     groups: dict[ServiceName, list[Frontend]] = {}
@@ -125,8 +146,8 @@ def fit(
             if owner in groups and owner not in incumbent and frontend not in wanted:
                 groups[owner].append(frontend)
     limits = {name: getattr(sizes, size) for name, (size, _) in _MAPS.items()}
-    taken = used(programmed)
-    total = dict(taken)  # as if every Service were taken
+    taken = dict(base)
+    total = dict(base)  # as if every Service were taken
     free_ids = len(programmed.free_service_ids)
     new_ids = {"taken": 0, "total": 0}
     seen: dict[str, set[Backend]] = {"taken": set(), "total": set()}
