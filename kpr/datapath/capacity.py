@@ -10,11 +10,13 @@ while they fit; the rest are left out, counted and reported with what to raise.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Collection
 from dataclasses import dataclass, field
+from ipaddress import IPv6Address
 
 from kpr.datapath import abi
 from kpr.datapath.plan import ProgrammedState
-from kpr.model import Backend, Frontend, ServiceName, Translation
+from kpr.model import Backend, Frontend, FrontendState, ServiceName, Translation
 
 # what is counted, each with the MapSizes field that sizes it and the maps it stands for
 _MAPS: dict[str, tuple[str, str]] = {
@@ -120,21 +122,37 @@ def fit(
 ) -> Fit:
     """Which Services of `translation` (those of `touched`, or all) the plan can take
     without a map overflowing; see the module's docstring."""
-    rough = _fit(programmed, translation, sizes, touched, used(programmed, exact=False))
-    if not rough.left_out and not rough.shortfalls:
-        return rough  # (the common case, at the cost of the Services planned only)
-    return _fit(programmed, translation, sizes, touched, used(programmed))
-
-
-def _fit(
-    programmed: ProgrammedState,
-    translation: Translation,
-    sizes: abi.MapSizes,
-    touched: set[Frontend] | None,
-    base: dict[str, int],
-) -> Fit:
     desired = translation.frontends
-    wanted = set(desired) if touched is None else touched & desired.keys()
+    groups = incumbent = None
+    if touched is None:
+        frontends: Collection[Frontend] = desired.keys()
+        planned = None
+    else:
+        groups, incumbent = _groups(programmed, translation, touched)
+        frontends = [f for fs in groups.values() for f in fs]
+        planned = set(touched) | set(frontends)
+    limits = {name: getattr(sizes, size) for name, (size, _) in _MAPS.items()}
+    # first against a bound of what the maps hold (no walk of them), then exactly
+    for exact in (False, True):
+        total = _total(programmed, desired, frontends, used(programmed, exact))
+        if all(total[name] <= limits[name] for name in _MAPS):
+            return Fit(touched=planned)  # (the common case: everything fits)
+    if groups is None or incumbent is None:
+        groups, incumbent = _groups(programmed, translation, None)
+    out = _one_by_one(programmed, desired, groups, incumbent, limits, planned)
+    for name, (size, c_name) in _MAPS.items():
+        if total[name] > limits[name]:
+            knob = abi.services_to_fit(size, total[name])
+            out.shortfalls.append(Shortfall(c_name, size, total[name], limits[name], knob))
+    return out
+
+
+def _groups(
+    programmed: ProgrammedState, translation: Translation, touched: set[Frontend] | None
+) -> tuple[dict[ServiceName, list[Frontend]], set[ServiceName]]:
+    """The frontends to plan by Service, and the Services with some programmed."""
+    desired = translation.frontends
+    wanted = desired.keys() if touched is None else touched & desired.keys()
     groups: dict[ServiceName, list[Frontend]] = {}
     for frontend in wanted:
         groups.setdefault(_owner(translation, frontend), []).append(frontend)
@@ -145,63 +163,68 @@ def _fit(
             owner = _owner(translation, frontend)
             if owner in groups and owner not in incumbent and frontend not in wanted:
                 groups[owner].append(frontend)
-    limits = {name: getattr(sizes, size) for name, (size, _) in _MAPS.items()}
-    taken = dict(base)
-    total = dict(base)  # as if every Service were taken
-    free_ids = len(programmed.free_service_ids)
-    new_ids = {"taken": 0, "total": 0}
-    seen: dict[str, set[Backend]] = {"taken": set(), "total": set()}
-    out = Fit(touched=None if touched is None else set(touched))
+    return groups, incumbent
 
-    def needs(frontends: list[Frontend], which: str) -> dict[str, int]:
-        """Entries the Service's frontends add to the maps, on top of `which` so far."""
-        add = dict.fromkeys(_MAPS, 0)
-        ids = 0
-        for frontend in frontends:
-            state = desired[frontend]
-            current = programmed.services.get(frontend)
-            if current is None:
-                add["services" + _family(frontend)] += 1
-                add["revnat" + _family(frontend)] += 1
-                ids += 1
-                add["slots"] += len(state.backends)
-                add["source_ranges"] += len(state.source_ranges)
-            else:
-                add["slots"] += max(0, len(state.backends) - len(current.slots))
-                old = programmed.source_ranges.get(current.service_id, frozenset())
-                add["source_ranges"] += len(set(state.source_ranges) - old)
-            for backend in state.backends:
-                if backend not in programmed.backend_index and backend not in seen[which]:
-                    add["backends" + _family(backend)] += 1
-        # new ids take the free ones below the highest first
-        before = max(0, new_ids[which] - free_ids)
-        add["service_ids"] = max(0, new_ids[which] + ids - free_ids) - before
-        add["_ids"] = ids
-        return add
 
-    def count(frontends: list[Frontend], which: str, into: dict[str, int], add: dict) -> None:
-        for name in _MAPS:
-            into[name] += add[name]
-        new_ids[which] += add["_ids"]
-        seen[which].update(b for f in frontends for b in desired[f].backends)
-
-    # incumbents first (never left out), then new Services by namespace/name
-    for service in sorted(groups, key=lambda s: (s not in incumbent, s)):
-        frontends = sorted(groups[service], key=Frontend.sort_key)
-        count(frontends, "total", total, needs(frontends, "total"))
-        add = needs(frontends, "taken")
-        if service in incumbent or all(taken[n] + add[n] <= limits[n] for n in _MAPS):
-            count(frontends, "taken", taken, add)
-            if out.touched is not None:
-                out.touched.update(frontends)
+def _total(
+    programmed: ProgrammedState,
+    desired: dict[Frontend, FrontendState],
+    frontends: Collection[Frontend],
+    base: dict[str, int],
+) -> dict[str, int]:
+    """Entries each map holds at the plan's peak if all of `frontends` are planned (in
+    bulk: 100,000s of frontends and 1,000,000s of backends)."""
+    out = dict(base)
+    services = programmed.services
+    new = [f for f in frontends if f not in services]
+    v6 = sum(isinstance(f.address, IPv6Address) for f in new)
+    for name in ("services", "revnat"):
+        out[name + "4"] += len(new) - v6
+        out[name + "6"] += v6
+    out["service_ids"] += max(0, len(new) - len(programmed.free_service_ids))
+    for frontend in frontends:
+        state = desired[frontend]
+        current = services.get(frontend)
+        if current is None:
+            out["slots"] += len(state.backends)
+            out["source_ranges"] += len(state.source_ranges)
         else:
-            out.left_out[service] = frontends
+            out["slots"] += max(0, len(state.backends) - len(current.slots))
+            old = programmed.source_ranges.get(current.service_id, frozenset())
+            out["source_ranges"] += len(set(state.source_ranges) - old)
+    backends = set().union(*(desired[f].backends for f in frontends))
+    backends.difference_update(programmed.backend_index)
+    b6 = sum(isinstance(b.address, IPv6Address) for b in backends)
+    out["backends4"] += len(backends) - b6
+    out["backends6"] += b6
+    return out
+
+
+def _one_by_one(
+    programmed: ProgrammedState,
+    desired: dict[Frontend, FrontendState],
+    groups: dict[ServiceName, list[Frontend]],
+    incumbent: set[ServiceName],
+    limits: dict[str, int],
+    planned: set[Frontend] | None,
+) -> Fit:
+    """Incumbents first (never left out), then new Services by namespace/name while
+    they fit."""
+    taken = used(programmed)
+    first_id, free, new_ids = taken["service_ids"], len(programmed.free_service_ids), 0
+    out = Fit(touched=planned)
+    for service in sorted(groups, key=lambda s: (s not in incumbent, s)):
+        frontends = groups[service]
+        # (a backend that a Service taken before adds too is counted again: on the safe side)
+        after = _total(programmed, desired, frontends, taken)
+        mine = sum(f not in programmed.services for f in frontends)
+        after["service_ids"] = first_id + max(0, new_ids + mine - free)  # free ids first
+        if service in incumbent or all(after[n] <= limits[n] for n in _MAPS):
+            taken, new_ids = after, new_ids + mine
+        else:
+            out.left_out[service] = sorted(frontends, key=Frontend.sort_key)
             if out.touched is not None:
                 out.touched.difference_update(frontends)
-    for name, (size, c_name) in _MAPS.items():
-        if total[name] > limits[name]:
-            knob = abi.services_to_fit(size, total[name])
-            out.shortfalls.append(Shortfall(c_name, size, total[name], limits[name], knob))
     return out
 
 
