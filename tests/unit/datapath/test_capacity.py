@@ -110,3 +110,26 @@ def test_service_ids_are_checked_against_the_slot_block_array():
     checked = fit(MemoryMaps().read(), desired, small)
     assert len(checked.left_out) == 2  # ids 1..3 fit an array of 4 (id 0 unused)
     assert {s.map for s in checked.shortfalls} == {"kpr_slot_blocks", "kpr_revnat4"}
+
+
+def test_each_family_counts_against_its_own_map():
+    desired = Translation()
+    for n in range(1, 3):
+        for family, address in (("v4", f"10.96.{n}.0"), ("v6", f"fd00::{n}")):
+            frontend = Frontend(ip_address(address), 80, "TCP")
+            desired.frontends[frontend] = FrontendState(f"default/{family}{n}:http", ())
+            desired.owners[frontend] = ("default", f"{family}{n}")
+    maps = MemoryMaps()
+    sync(maps, desired, 100)
+    one_more = Frontend(ip_address("10.96.9.0"), 80, "TCP")
+    desired.frontends[one_more] = FrontendState("default/z:http", ())
+    desired.owners[one_more] = ("default", "z")
+    # 4 masters in all, but kpr_services4 holds 2 + 1 of 3: it fits
+    checked = fit(maps.read(), desired, dataclasses.replace(sizes(100), services=3))
+    assert not checked.left_out and not checked.shortfalls
+    checked = fit(maps.read(), desired, dataclasses.replace(sizes(100), services=2))
+    assert list(checked.left_out) == [("default", "z")]
+    assert [str(s) for s in checked.shortfalls] == [
+        "kpr_services4 needs 3 entries, max_entries 2: raise --max-services 2 or "
+        "--map-sizes services=3"
+    ]
