@@ -21,6 +21,7 @@ import logging
 import os
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from ipaddress import IPv6Address
@@ -31,6 +32,7 @@ from kpr import __version__
 from kpr.agent import conflicts, runstate
 from kpr.agent.runner import Kind, Ran, SyncRunner
 from kpr.datapath import abi, loader, sockets, tc
+from kpr.datapath.capacity import fit, without
 from kpr.datapath.maps import BpfMaps, execute, slot_blocks
 from kpr.datapath.plan import apply_plan, plan
 from kpr.desired.drift import drift as find_drift
@@ -44,8 +46,10 @@ from kpr.model import (
     Frontend,
     NodeContext,
     Problem,
+    ServiceName,
     Snapshot,
     Translation,
+    by_key,
 )
 from kpr.node import host
 from kpr.node.devices import (
@@ -96,6 +100,7 @@ class AgentConfig:
     cgroup: Path | None = None  # None: the root of the cgroup v2 mount
     node: NodeContext = field(default_factory=NodeContext)
     sizes: abi.MapSizes = field(default_factory=abi.MapSizes)
+    max_services: int = abi.MAX_SERVICES  # the knob `sizes` were derived from (--max-services)
     devices: tuple[Device, ...] = ()  # where the TC program serves external traffic
     reply_devices: tuple[Device, ...] = ()  # where it is for masqueraded flows' replies only
     # --devices, followed at run time (netlink); None: the devices above, fixed
@@ -127,6 +132,23 @@ class SyncResult:
     no_local_endpoints: tuple[int, int] = (0, 0)
     # entries and capacity of each map, counted on full syncs only (it walks every frontend)
     map_fill: dict[str, tuple[int, int]] | None = None
+    frontends_programmed: int = 0  # frontends the maps hold once the sync is written
+    # desired Services (and their frontends) left out because they do not fit the maps,
+    # and why (one line: which map, how many entries, what to raise; "": none)
+    services_left_out: int = 0
+    frontends_left_out: int = 0
+    left_out_why: str = ""
+
+
+def _failure_summary(errors: list[str], failed: set[Frontend], limit: int = 3) -> str:
+    """Many failed writes as one line: each distinct reason counted, a few examples of
+    those not written by the retry either (an error reads "<map>: <reason> (<entry>)")."""
+    reasons = Counter(e.rsplit(" (", 1)[0] for e in errors)
+    counted = ", ".join(f"{n} x {why}" for why, n in reasons.most_common(limit))
+    # (bounded: looking for each failed frontend in each error is quadratic at 10,000s)
+    names = [str(f) for f in sorted(failed, key=by_key)[:100]]
+    examples = [e for e in errors[:1000] if any(n in e for n in names)][:limit] or errors[:limit]
+    return f"{len(errors)} map writes failed ({counted}), e.g. {'; '.join(examples)}"
 
 
 def _limit_malloc_arenas() -> None:
@@ -170,6 +192,9 @@ class Agent:
         self.last_sync = 0.0
         self.node_deleting = False
         self._unsaved: tuple | None = None  # a sync not yet in the run state file
+        # desired frontends left out as they do not fit the maps (their Service), and why
+        self.left_out: dict[Frontend, ServiceName] = {}
+        self.left_out_why = ""
         self._saved_at = 0.0
         self._saver: threading.Thread | None = None
         self._state_lock = threading.Lock()
@@ -399,14 +424,30 @@ class Agent:
         if snapshot is not None or full:
             # before the backends: a flow to a new local one must not be masqueraded
             self._sync_local_endpoints(reread=full)
-        steps = plan(self.programmed, self.desired, touched)
+        # what does not fit the maps is left out before anything is written, whole
+        # Services only (kpr/datapath/capacity.py)
+        checked = fit(self.programmed, self.desired, self.config.sizes, touched)
+        if touched is None:
+            self.left_out = {}
+        else:
+            for frontend in touched:
+                self.left_out.pop(frontend, None)
+        for service, frontends in checked.left_out.items():
+            self.left_out.update(dict.fromkeys(frontends, service))
+        if checked.shortfalls:
+            self.left_out_why = "; ".join(str(s) for s in checked.shortfalls)
+        elif not self.left_out:
+            self.left_out_why = ""
+        steps = plan(
+            self.programmed,
+            without(self.desired, checked.left_out) if touched is None else self.desired,
+            checked.touched,
+        )
         writes = steps.writes()
         result = execute(self.maps, steps)
         if result.failed:
-            names = [str(f) for f in result.failed]
-            for error in sorted(set(result.errors)):
-                if any(name in error for name in names):  # not those a retry wrote
-                    log.error("map write failed: %s", error)
+            # one line, however many (a full map fails them all)
+            log.error("%s", _failure_summary(sorted(set(result.errors)), result.failed))
             log.error(
                 "%d frontends keep their previous backends until the next sync: %s",
                 len(result.failed),
@@ -427,7 +468,13 @@ class Agent:
         if full or writes or problems_changed:
             # serialising the whole desired state grows with the Services: on
             # the partial path it is left to the run loop, once things are quiet
-            self._unsaved = (result.failed, problems, time.time())
+            self._unsaved = (
+                result.failed,
+                problems,
+                time.time(),
+                dict(self.left_out),
+                self.left_out_why,
+            )
             if full:
                 self._save_state()
         now = time.time()
@@ -472,15 +519,30 @@ class Agent:
                 sum(external for _, external in self.desired.no_local_endpoints.values()),
             ),
             map_fill=fill,
+            frontends_programmed=len(self.programmed.services),
+            services_left_out=len(set(self.left_out.values())),
+            frontends_left_out=len(self.left_out),
+            left_out_why=self.left_out_why,
         )
-        if writes:
-            log.info(
-                "%s sync: %d frontends, %d map operations in %.3fs%s",
+        if writes or checked.left_out:
+            left_out = ""
+            if self.left_out:
+                names = sorted({f"{ns}/{name}" for ns, name in self.left_out.values()})
+                left_out = (
+                    f"; {outcome.services_left_out} Services ({outcome.frontends_left_out} "
+                    f"frontends) left out, they do not fit the maps "
+                    f"({', '.join(names[:3])}{', ...' if len(names) > 3 else ''}): "
+                    f"{self.left_out_why}"
+                )
+            log.log(
+                logging.WARNING if self.left_out else logging.INFO,
+                "%s sync: %d frontends programmed, %d map operations in %.3fs%s%s",
                 "full" if full else "partial",
-                len(self.desired.frontends),
+                outcome.frontends_programmed,
                 writes,
                 outcome.seconds,
                 f" (repaired {drift} drifted frontends)" if drift else "",
+                left_out,
             )
         for observer in self.observers:
             observer.synced(outcome)

@@ -18,7 +18,7 @@ from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from kpr.model import Frontend, FrontendState, Problem, Translation
+from kpr.model import Frontend, FrontendState, Problem, ServiceName, Translation
 
 RUN_DIR = Path("/run/kpr")
 
@@ -127,6 +127,10 @@ class RunState:
     held: list[str] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)
     failed: list[str] = field(default_factory=list)
+    # desired frontends left out of the maps as they do not fit (whole Services), and why
+    left_out: list[str] = field(default_factory=list)
+    left_out_services: int = 0
+    left_out_why: str = ""
     watches: dict[str, dict] = field(default_factory=dict)  # the source's status
     conflicts: list[str] = field(default_factory=list)  # found at start (kpr/agent/conflicts.py)
     conflicts_not_checked: list[str] = field(default_factory=list)  # tools that could not look
@@ -151,6 +155,8 @@ class RunState:
         failed: set[Frontend],
         problems: list[Problem],
         synced_at: float,
+        left_out: dict[Frontend, ServiceName] | None = None,
+        left_out_why: str = "",
     ) -> None:
         self.last_sync = synced_at
         desired = {str(f): _state(s) for f, s in sorted(translation.frontends.items())}
@@ -158,6 +164,9 @@ class RunState:
         self.held = sorted(str(f) for f in translation.held)
         self.problems = [str(p) for p in problems]
         self.failed = sorted(str(f) for f in failed)
+        self.left_out = sorted(str(f) for f in left_out or {})
+        self.left_out_services = len(set((left_out or {}).values()))
+        self.left_out_why = left_out_why
 
     def save(self) -> None:
         _write_atomically(path_for(Path(self.pin_dir)), asdict(self))

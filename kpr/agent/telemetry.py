@@ -61,6 +61,10 @@ class Telemetry:
             m.network_programming_latency.observe(max(0.0, now - trigger))
         if result.failed:
             m.map_write_failures_total.inc(result.failed)
+        m.frontends_programmed.set(result.frontends_programmed)
+        # every series from the first sync, so an alert sees 0 before anything is left out
+        m.unprogrammed.labels(object="service").set(result.services_left_out)
+        m.unprogrammed.labels(object="frontend").set(result.frontends_left_out)
         for repaired, count in (
             ("frontend", result.drift_repaired),
             ("attachment", result.attachments_repaired),

@@ -125,11 +125,20 @@ def run(
             "UDP sockets to removed backends when kpr cannot see the pods' processes."
         ),
     ] = None,
+    max_services: Annotated[
+        int,
+        typer.Option(
+            help="Capacity: the Services (of 10 endpoints and 2 frontends each, on average) "
+            "the maps hold; every Service-dependent map size follows from it. A sync that "
+            "would not fit leaves out whole new Services and says what to raise.",
+        ),
+    ] = 65536,  # abi.MAX_SERVICES (kpr.datapath is imported only when a command runs)
     map_sizes: Annotated[
         str | None,
         typer.Option(
-            help="Map capacities, e.g. slots=2097152,backends=524288 (keys: services, "
-            "backends, revnat, sock_revnat, sock_peers, affinity, ct, source_ranges, slots). "
+            help="Map capacities in place of those --max-services derives, e.g. "
+            "slots=2097152,backends=524288 (keys: services, backends, revnat, sock_revnat, "
+            "sock_peers, affinity, ct, source_ranges, slots). "
             "Fixed once the maps are pinned."
         ),
     ] = None,
@@ -219,10 +228,13 @@ def run(
                 report=report,
             )
         chosen = choose_devices(devices)
+        sizes = abi.MapSizes.for_services(max_services, map_sizes)
+        log.info("%s", sizes.describe(max_services))
         config = AgentConfig(
             pin_dir=bpffs,
             cgroup=cgroup,
-            sizes=abi.MapSizes.parse(map_sizes) if map_sizes else abi.MapSizes(),
+            sizes=sizes,
+            max_services=max_services,
             node=NodeContext(
                 name=node,
                 proxy_name=proxy_name,

@@ -89,6 +89,13 @@ def report(pin_dir: Path) -> dict:
             "conflicts": state.conflicts,
             "conflicts_not_checked": state.conflicts_not_checked,
             "failed": state.failed,
+            # desired but not programmed: they do not fit the maps (not drift)
+            "left_out": {
+                "services": state.left_out_services,
+                "frontends": len(state.left_out),
+                "why": state.left_out_why,
+                "examples": state.left_out[:10],
+            },
             "node_port_addresses": state.node_port_addresses,
             "kernel_headers": state.kernel_headers,
         }
@@ -104,6 +111,7 @@ def report(pin_dir: Path) -> dict:
             name: {"addresses": addresses, "attached": on[name]}
             for name, addresses in state.reply_devices.items()
         }
+    left_out = set(state.left_out) if state else set()
     return {
         "pin_dir": str(pin_dir),
         "agent": agent,
@@ -116,7 +124,9 @@ def report(pin_dir: Path) -> dict:
             for name, (used, size) in fill.items()
         },
         "counters": counters,
-        "drift": drift(desired, state.held if state else [], view) if state else [],
+        "drift": drift({f: w for f, w in desired.items() if f not in left_out}, state.held, view)
+        if state
+        else [],
     }
 
 
@@ -162,6 +172,12 @@ def render(status: dict) -> str:
     else:
         lines.append("agent:     no record (maps only)")
     lines.append(f"pins:      {status['pin_dir']}")
+    left_out = (agent or {}).get("left_out") or {}
+    if left_out.get("frontends"):
+        lines.append(
+            f"LEFT OUT:  {left_out['services']} Services ({left_out['frontends']} frontends) "
+            f"do not fit the maps: {left_out['why']}"
+        )
     lines.append("")
     lines.append(f"services ({len(status['services'])} frontends):")
     for svc in status["services"]:

@@ -342,27 +342,108 @@ SOCK_PEER_PIN = PIN_PREFIX + "sock_peer"
 MAP_PRESSURE = 0.9  # a map this full is reported (log, `kpr status`) before writes fail
 
 
+# The one capacity knob (`kpr run --max-services`): every Service-dependent map size
+# follows from it in `derive_sizes`, on these assumptions
+MAX_SERVICES = 65536
+ENDPOINTS_PER_SERVICE = 10  # distinct endpoints of a Service, on average
+# frontends (ports x families x scopes) of a Service, on average: a one-port ClusterIP
+# Service has one, so 2 leaves room for a second port, a family or a NodePort
+FRONTENDS_PER_SERVICE = 2
+# connection-dependent maps (LRU rings of sockets and flows) do not follow the knob
+_FIXED = {"sock_revnat": 65536, "sock_peers": 262144, "ct": 65536}
+
+
+def derive_sizes(max_services: int) -> dict[str, int]:
+    """max_entries of every MapSizes field for `max_services` Services. Service ids are
+    shared by both families and both scopes, and index the slot blocks: the id space
+    (`revnat`) holds every frontend, so it is never smaller than `services`."""
+    frontends = max_services * FRONTENDS_PER_SERVICE
+    endpoints = max_services * ENDPOINTS_PER_SERVICE
+    return {
+        "services": frontends,  # each of kpr_services4/6
+        # each family; a quarter more for endpoints replaced during one sync (a backend
+        # is deleted after the slots that named it are rewritten)
+        "backends": endpoints + endpoints // 4,
+        "revnat": frontends,  # service ids of both families: kpr_revnat4/6, slot blocks
+        "sock_revnat": _FIXED["sock_revnat"],
+        "sock_peers": _FIXED["sock_peers"],
+        "affinity": max_services,  # LRU: (client netns, service) pairs
+        "ct": _FIXED["ct"],
+        "source_ranges": max(max_services // 4, 1),  # loadBalancerSourceRanges, all together
+        "slots": frontends * ENDPOINTS_PER_SERVICE,  # kpr_slots, both families
+    }
+
+
+def services_to_fit(name: str, needed: int) -> int | None:
+    """The smallest --max-services whose derived size of map field `name` holds `needed`
+    entries; None: that map does not follow the knob (raise it with --map-sizes)."""
+    if name in _FIXED:
+        return None
+    low, high = 1, 1
+    while derive_sizes(high)[name] < needed:
+        high *= 2
+    while low < high:  # (the sizes grow with the knob: bisect)
+        mid = (low + high) // 2
+        if derive_sizes(mid)[name] >= needed:
+            high = mid
+        else:
+            low = mid + 1
+    return low
+
+
+_DEFAULT = derive_sizes(MAX_SERVICES)
+
+
 @dataclass(frozen=True)
 class MapSizes:
-    """max_entries of the maps; configurable, fixed once the maps are pinned."""
+    """max_entries of the maps; configurable, fixed once the maps are pinned. The
+    defaults are `derive_sizes(MAX_SERVICES)`: 65,536 Services of 10 endpoints fit."""
 
-    services: int = 65536  # frontends (master entries) of each family, as revnat's ids
-    backends: int = 524288  # 30,000 services x 10 distinct endpoints fit
-    revnat: int = 65536
-    sock_revnat: int = 65536  # LRU: preallocated, so kept modest
+    services: int = _DEFAULT["services"]  # frontends (master entries) of each family
+    backends: int = _DEFAULT["backends"]
+    revnat: int = _DEFAULT["revnat"]  # service ids, both families: also the slot blocks
+    sock_revnat: int = _DEFAULT["sock_revnat"]  # LRU: preallocated, so kept modest
     # ring of connected sockets' service addresses (48 bytes a slot): getpeername shows the
     # service until this many newer connects through Services reuse the slot
-    sock_peers: int = 262144
-    affinity: int = 65536  # LRU: (client netns, service) pairs with ClientIP affinity
-    ct: int = 65536  # LRU, each of kpr_ct and kpr_nat: external flows through TC
-    source_ranges: int = 16384  # loadBalancerSourceRanges, all Services together
-    # kpr_slots, every frontend's backend slots, both families together: 60,000 frontends
-    # x 16 endpoints fit (last, so the fields before keep their positions)
-    slots: int = 1048576
+    sock_peers: int = _DEFAULT["sock_peers"]
+    affinity: int = _DEFAULT["affinity"]  # LRU: (client netns, service) pairs with ClientIP
+    ct: int = _DEFAULT["ct"]  # LRU, each of kpr_ct and kpr_nat: external flows through TC
+    source_ranges: int = _DEFAULT["source_ranges"]  # loadBalancerSourceRanges, all Services
+    # kpr_slots, every frontend's backend slots, both families together (last, so the
+    # fields before keep their positions)
+    slots: int = _DEFAULT["slots"]
+
+    @classmethod
+    def for_services(cls, max_services: int, overrides: str | None = None) -> MapSizes:
+        """The sizes derived from the knob, then `overrides` ("name=N,...", --map-sizes)
+        in place of the derived ones; ValueError naming a bad part."""
+        if not 1 <= max_services <= 1 << 21:  # (the derived sizes stay within 1 << 26)
+            raise ValueError(f"--max-services: {max_services} is not 1 to 2097152")
+        derived = cls(**derive_sizes(max_services))
+        return dataclasses.replace(derived, **cls._overrides(overrides)) if overrides else derived
+
+    def describe(self, max_services: int) -> str:
+        """One line for the start-up log: the knob, the derived sizes, what overrides them."""
+        derived = derive_sizes(max_services)
+        sizes = ", ".join(f"{f.name}={getattr(self, f.name)}" for f in dataclasses.fields(self))
+        changed = [
+            f"{f.name}={getattr(self, f.name)} (derived {derived[f.name]})"
+            for f in dataclasses.fields(self)
+            if getattr(self, f.name) != derived[f.name]
+        ]
+        return (
+            f"map sizes for {max_services} Services x {ENDPOINTS_PER_SERVICE} endpoints "
+            f"({FRONTENDS_PER_SERVICE} frontends each): {sizes}"
+            + (f"; --map-sizes overrides {', '.join(changed)}" if changed else "")
+        )
 
     @classmethod
     def parse(cls, text: str) -> MapSizes:
         """ "services=1048576,backends=524288" → MapSizes; ValueError naming the bad part."""
+        return dataclasses.replace(cls(), **cls._overrides(text))
+
+    @classmethod
+    def _overrides(cls, text: str) -> dict[str, int]:
         sizes = {}
         for part in text.split(","):
             name, _, value = part.partition("=")
@@ -373,7 +454,7 @@ class MapSizes:
             if not value.strip().isdigit() or not 1 <= int(value) <= 1 << 26:
                 raise ValueError(f"--map-sizes: {name}={value!r} is not a size (1 to 67108864)")
             sizes[name] = int(value)
-        return dataclasses.replace(cls(), **sizes)
+        return sizes
 
     def max_entries(self, spec: MapSpec) -> int:
         return spec.size if isinstance(spec.size, int) else getattr(self, spec.size)

@@ -451,7 +451,7 @@ def _pack_range(key: SourceRange) -> bytes:
 def _why(err: OSError) -> str:
     # a hash map at max_entries answers E2BIG ("Argument list too long")
     if err.errno == errno.E2BIG:
-        return "map full (raise its size with --map-sizes)"
+        return "map full (raise --max-services, or its size with --map-sizes)"
     return err.strerror or str(err)
 
 

@@ -190,6 +190,18 @@ class Metrics:
             ["map"],
             registry=r,
         )
+        self.frontends_programmed = Gauge(
+            "kpr_frontends_programmed",
+            "Frontends (address, port, protocol, scope) the maps hold after the last sync",
+            registry=r,
+        )
+        self.unprogrammed = Gauge(
+            "kpr_unprogrammed",
+            "Desired Services and their frontends left out of the maps after the last sync "
+            "because they do not fit (raise --max-services); kpr's log says which map",
+            ["object"],
+            registry=r,
+        )
         self.watch_restarts_total = Counter(
             "kpr_watch_restarts_total",
             "API watches that ended and were started again, by resource",

@@ -338,31 +338,40 @@ def test_a_config_that_does_not_parse_is_refused_naming_the_field(tmp_path):
     assert "Traceback" not in out.stderr
 
 
-def test_a_full_map_fails_only_the_service_that_does_not_fit(lab, agent):
+def test_a_service_that_does_not_fit_is_left_out_whole_before_writing(lab, agent):
     source = agent.log.parent / "manifests"
     chosen = [str(p.ipv4) for p in lab.pods]
-    big = [f"10.250.0.{i}" for i in range(1, 11)]
+    wide = [f"10.250.0.{i}" for i in range(1, 11)]
     kube.write(
         source,
         "services.yaml",
         kube.service("echo", [VIP4], [("http", 80, "TCP")]),
         kube.endpoint_slice("echo", chosen, [("http", 8080, "TCP")]),
-        kube.service("big", ["10.96.0.50"], [("http", 80, "TCP")]),
-        kube.endpoint_slice("big", big, [("http", 8080, "TCP")]),
+        kube.service("wide", ["10.96.0.50"], [("http", 80, "TCP")]),
+        kube.endpoint_slice("wide", wide, [("http", 8080, "TCP")]),
     )
-    agent.args += ["--map-sizes", "slots=12"]  # echo takes 3 slots, big would take 10
+    agent.args += ["--map-sizes", "slots=12"]  # echo takes 3 slots, wide would take 10
     agent.start()
     agent.wait_synced()
     results = tcp_results(lab, 20)
     assert all("pod" in r for r in results)
     log = agent.log.read_text()
-    assert "map full" in log and "10.96.0.50:80/TCP" in log
+    assert "1 Services (1 frontends) left out, they do not fit the maps (default/wide)" in log
+    assert "kpr_slots needs 13 entries, max_entries 12" in log
+    assert "map write" not in log  # nothing was tried that does not fit
+    # the start-up line: the knob's sizes, and the override
+    assert "map sizes for 65536 Services x 10 endpoints (2 frontends each): " in log
+    assert "; --map-sizes overrides slots=12 (derived 1310720)" in log
     status = status_json(agent.pin_dir)
     maps = status["maps"]
-    # big left nothing behind: echo's master and its 3 slots only
+    # wide left nothing behind: echo's master and its 3 slots only
     assert maps[f"{PIN_PREFIX}services4"]["entries"] == 1
     assert maps[f"{PIN_PREFIX}slots"]["entries"] == 3
-    assert status["agent"]["failed"] == ["10.96.0.50:80/TCP"]
+    assert status["agent"]["failed"] == []
+    left_out = status["agent"]["left_out"]
+    assert (left_out["services"], left_out["frontends"]) == (1, 1)
+    assert left_out["examples"] == ["10.96.0.50:80/TCP"]
+    assert status["drift"] == []
 
 
 def test_map_sizes_that_do_not_parse_are_refused(tmp_path, pin_dir, cgroup):

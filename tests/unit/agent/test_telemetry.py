@@ -105,3 +105,38 @@ def test_changes_waiting_are_reported_when_queued_and_cleared_by_the_sync() -> N
     telemetry.synced(SyncResult(full=False, writes=1, seconds=0.01, failed=0, services_changed=4))
     assert value(metrics, "kubeproxy_sync_proxy_rules_service_changes_pending") == 0
     assert value(metrics, "kubeproxy_sync_proxy_rules_endpoint_changes_pending") == 0
+
+
+def test_what_does_not_fit_the_maps_is_counted_after_each_sync() -> None:
+    telemetry, metrics = observer()
+    telemetry.synced(SyncResult(full=True, writes=1, seconds=0.01, failed=0, services_changed=-1))
+    assert value(metrics, "kpr_unprogrammed", object="service") == 0
+    left_out = SyncResult(
+        full=True,
+        writes=1,
+        seconds=0.01,
+        failed=0,
+        services_changed=-1,
+        frontends_programmed=30,
+        services_left_out=5,
+        frontends_left_out=10,
+        left_out_why="kpr_slots needs 48 entries, max_entries 20: raise --max-services 3",
+    )
+    telemetry.synced(left_out)
+    assert value(metrics, "kpr_frontends_programmed") == 30
+    assert value(metrics, "kpr_unprogrammed", object="service") == 5
+    assert value(metrics, "kpr_unprogrammed", object="frontend") == 10
+
+
+def test_a_flood_of_failed_writes_is_one_line_with_a_count_and_a_few_examples() -> None:
+    from ipaddress import ip_address
+
+    from kpr.agent.loop import _failure_summary
+    from kpr.model import Frontend
+
+    failed = {Frontend(ip_address(f"10.96.{n // 256}.{n % 256}"), 80, "TCP") for n in range(5000)}
+    errors = sorted(f"kpr_services4: map full (raise --max-services) ({f} master)" for f in failed)
+    line = _failure_summary(errors, failed)
+    assert "\n" not in line and len(line) < 600
+    assert line.startswith("5000 map writes failed (5000 x kpr_services4: map full (raise")
+    assert line.count("master") == 3

@@ -5,6 +5,8 @@ from __future__ import annotations
 import ctypes as ct
 import re
 
+import pytest
+
 from kpr import model
 from kpr.datapath import abi
 from kpr.datapath.loader import HOOKS
@@ -65,7 +67,7 @@ def test_the_services_maps_hold_one_master_per_frontend_and_slots_are_family_fre
     assert [name for name, *_ in abi.SlotKey._fields_] == ["service_id", "slot"]
     assert abi.MAPS["kpr_slots"].value is ct.c_uint32  # the backend id
     assert abi.MAPS["kpr_slots"].size == "slots"
-    assert "-DKPR_SLOTS_MAX=1048576" in abi.MapSizes().cflags()
+    assert f"-DKPR_SLOTS_MAX={abi.MapSizes().slots}" in abi.MapSizes().cflags()
     assert abi.MapSizes.parse("slots=4096").slots == 4096
 
 
@@ -87,3 +89,45 @@ def test_struct_formats_pack_the_same_bytes_as_the_ctypes_mirror():
     assert abi.BACKEND6.pack(v6, 8080) == bytes(abi.Backend6((ct.c_uint8 * 16)(*v6), 8080))
     ids = list(range(1, abi.BLOCK_SLOTS + 1))
     assert abi.SLOT_BLOCK.pack(*ids) == bytes(abi.SlotBlock((ct.c_uint32 * abi.BLOCK_SLOTS)(*ids)))
+
+
+def test_the_default_sizes_hold_65536_services_of_10_endpoints_with_room():
+    sizes = abi.MapSizes()
+    assert sizes == abi.MapSizes.for_services(abi.MAX_SERVICES) == abi.MapSizes.for_services(65536)
+    services, endpoints = 65536, 10  # ClusterIP, one port, IPv4: one frontend each
+    assert sizes.services > services  # kpr_services4
+    assert sizes.revnat > services  # service ids 1..65536 index the slot blocks too
+    assert sizes.slots > services * endpoints
+    assert sizes.backends > services * endpoints  # distinct endpoints
+
+
+def test_a_raised_knob_raises_every_service_dependent_size_consistently():
+    small, big = abi.MapSizes.for_services(65536), abi.MapSizes.for_services(100_000)
+    for name in ("services", "backends", "revnat", "slots", "affinity", "source_ranges"):
+        assert getattr(big, name) > getattr(small, name), name
+    for sizes in (small, big, abi.MapSizes.for_services(7)):
+        # the id space holds every frontend of both families: never smaller than services
+        assert sizes.revnat >= sizes.services
+        assert sizes.slots >= sizes.services * abi.ENDPOINTS_PER_SERVICE
+    assert big.services >= 100_000 and big.revnat >= 100_000  # the measured defect
+
+
+def test_map_sizes_override_single_derived_sizes_and_the_start_up_line_says_so():
+    sizes = abi.MapSizes.for_services(100_000, "slots=4096")
+    assert sizes.slots == 4096
+    assert sizes.revnat == abi.derive_sizes(100_000)["revnat"]
+    line = sizes.describe(100_000)
+    assert line.startswith("map sizes for 100000 Services x 10 endpoints")
+    assert "--map-sizes overrides slots=4096 (derived 2000000)" in line
+    assert "overrides" not in abi.MapSizes().describe(abi.MAX_SERVICES)
+    with pytest.raises(ValueError, match="--max-services"):
+        abi.MapSizes.for_services(0)
+
+
+def test_services_to_fit_is_the_smallest_knob_that_holds_the_entries():
+    for name, needed in (("revnat", 100_000), ("slots", 1_000_001), ("backends", 3)):
+        knob = abi.services_to_fit(name, needed)
+        assert knob is not None
+        assert abi.derive_sizes(knob)[name] >= needed
+        assert knob == 1 or abi.derive_sizes(knob - 1)[name] < needed
+    assert abi.services_to_fit("ct", 10**6) is None  # not derived from the knob

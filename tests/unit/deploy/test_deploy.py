@@ -724,6 +724,7 @@ OVERRIDES = (
     "--set", "image.repository=registry.example/kpr",
     "--set", "image.tag=1.2.3",
     "--set", "apiServer=https://10.0.0.10:6443",
+    "--set", "maxServices=100000",
     "--set", "mapSizes.services=1048576",
     "--set", "mapSizes.backends=524288",
     "--set", "devices=eth0\\,eth1",
@@ -762,6 +763,7 @@ def test_helm_values_reach_the_daemonset_as_kpr_parses_it():
     assert abi.MapSizes.parse(params["map_sizes"]) == abi.MapSizes(
         services=1048576, backends=524288
     )
+    assert params["max_services"] == 100000
     assert params["devices"] == "eth0,eth1"
     assert str(params["cgroup"]) == "/sys/fs/cgroup/unified"
     mount, volume = covering_mount(ds, params["cgroup"])

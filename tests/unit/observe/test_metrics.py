@@ -68,6 +68,8 @@ KUBE_PROXY = {
 KPR = {
     "kpr_map_entries": "gauge",
     "kpr_map_max_entries": "gauge",
+    "kpr_frontends_programmed": "gauge",
+    "kpr_unprogrammed": "gauge",
     "kpr_datapath_outcomes_total": "counter",
     "kpr_watch_restarts_total": "counter",
     "kpr_relists_total": "counter",
