@@ -32,7 +32,7 @@ from kpr import __version__
 from kpr.agent import conflicts, runstate
 from kpr.agent.runner import Kind, Ran, SyncRunner
 from kpr.datapath import abi, loader, sockets, tc
-from kpr.datapath.capacity import fit, without
+from kpr.datapath.capacity import Fit, fit, plan_fits, without
 from kpr.datapath.maps import BpfMaps, execute, slot_blocks
 from kpr.datapath.plan import apply_plan, plan
 from kpr.desired.drift import drift as find_drift
@@ -426,7 +426,12 @@ class Agent:
             self._sync_local_endpoints(reread=full)
         # what does not fit the maps is left out before anything is written, whole
         # Services only (kpr/datapath/capacity.py)
-        checked = fit(self.programmed, self.desired, self.config.sizes, touched)
+        # (first from the plan's own writes: a sync that fits, the rule, walks nothing more)
+        steps = plan(self.programmed, self.desired, touched)
+        if plan_fits(self.programmed, steps, self.config.sizes):
+            checked = Fit(touched=touched)
+        else:
+            checked = fit(self.programmed, self.desired, self.config.sizes, touched)
         if touched is None:
             self.left_out = {}
         else:
@@ -438,11 +443,12 @@ class Agent:
             self.left_out_why = "; ".join(str(s) for s in checked.shortfalls)
         elif not self.left_out:
             self.left_out_why = ""
-        steps = plan(
-            self.programmed,
-            without(self.desired, checked.left_out) if touched is None else self.desired,
-            checked.touched,
-        )
+        if checked.left_out or checked.touched != touched:
+            steps = plan(
+                self.programmed,
+                without(self.desired, checked.left_out) if touched is None else self.desired,
+                checked.touched,
+            )
         writes = steps.writes()
         result = execute(self.maps, steps)
         if result.failed:

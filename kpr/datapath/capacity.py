@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from ipaddress import IPv6Address
 
 from kpr.datapath import abi
-from kpr.datapath.plan import ProgrammedState
+from kpr.datapath.plan import Plan, ProgrammedState
 from kpr.model import Backend, Frontend, FrontendState, ServiceName, Translation
 
 # what is counted, each with the MapSizes field that sizes it and the maps it stands for
@@ -112,6 +112,27 @@ def used(programmed: ProgrammedState, exact: bool = True) -> dict[str, int]:
     out["slots"] += len(programmed.stray_slots)
     out["source_ranges"] = sum(len(n) for n in programmed.source_ranges.values())
     return out
+
+
+def plan_fits(programmed: ProgrammedState, steps: Plan, sizes: abi.MapSizes) -> bool:
+    """Whether every map holds the plan at its peak, bounded from the plan's own writes
+    (what the maps hold, both families counted against each family's size, plus what the
+    plan adds): no walk of the desired state, so a full sync that writes nothing costs
+    nothing here. False may be wrong on the safe side: `fit` then decides exactly."""
+    services = programmed.services
+    slots = sum(len(s.slots) for s in services.values()) + len(programmed.stray_slots)
+    ranges = sum(len(n) for n in programmed.source_ranges.values())
+    peak = {
+        "services": len(services) + sum(m.frontend not in services for m in steps.master_writes),
+        "revnat": max(
+            len(programmed.revnat) + sum(i not in programmed.revnat for i in steps.revnat_writes),
+            max(programmed.max_service_id, *steps.revnat_writes, 0) + 1,  # the slot blocks
+        ),
+        "backends": len(programmed.backends) + len(steps.backend_writes),
+        "slots": slots + sum(len(w) for w in steps.slot_writes.values()),
+        "source_ranges": ranges + len(steps.range_writes),
+    }
+    return all(count <= getattr(sizes, name) for name, count in peak.items())
 
 
 def fit(

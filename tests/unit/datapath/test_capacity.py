@@ -6,7 +6,7 @@ import dataclasses
 from ipaddress import ip_address
 
 from kpr.datapath import abi
-from kpr.datapath.capacity import fit, without
+from kpr.datapath.capacity import fit, plan_fits, without
 from kpr.datapath.maps import MemoryMaps, consistent, execute
 from kpr.datapath.plan import plan
 from kpr.model import Backend, Frontend, FrontendState, Translation
@@ -133,3 +133,20 @@ def test_each_family_counts_against_its_own_map():
         "kpr_services4 needs 3 entries, max_entries 2: raise --max-services 2 or "
         "--map-sizes services=3"
     ]
+
+
+def test_the_plan_bound_passes_what_fits_and_never_what_does_not():
+    """The agent's first check, from the plan's writes: a sync that writes nothing fits
+    at once; a plan one slot over the maps does not (then `fit` decides)."""
+    desired = Translation()
+    for n, name in enumerate("abc", start=1):
+        service(desired, name, n, ports=2, backends=3)  # 6 masters, 18 slots, 9 backends
+    maps = MemoryMaps()
+    assert plan_fits(maps.read(), plan(maps.read(), desired), sizes(18))
+    assert not plan_fits(maps.read(), plan(maps.read(), desired), sizes(17))  # 18 slots
+    execute(maps, plan(maps.read(), desired))
+    steady = maps.read()
+    assert plan(steady, desired).is_empty() and plan_fits(steady, plan(steady, desired), sizes(18))
+    service(desired, "d", 4, ports=1, backends=1)  # one more master, slot, backend, id
+    assert not plan_fits(steady, plan(steady, desired), sizes(18))
+    assert plan_fits(steady, plan(steady, desired), sizes(19))
