@@ -25,6 +25,15 @@ from kpr import model
 ABI_VERSION = 2
 PIN_PREFIX = f"v{ABI_VERSION}_"  # every pin of this version starts so (kpr.h: KPR_PIN)
 
+
+def pin_version(name: str) -> int | None:
+    """The ABI version a pin's name carries (`v<N>_...`); None: not a versioned pin."""
+    version, _, rest = name.partition("_")
+    if rest and version[:1] == "v" and version[1:].isdigit():
+        return int(version[1:])
+    return None
+
+
 BPF_DIR = Path(__file__).resolve().parents[1] / "bpf"  # package data, installed with kpr
 
 PROTOCOL_NUMBERS = {"TCP": socket.IPPROTO_TCP, "UDP": socket.IPPROTO_UDP}

@@ -131,14 +131,15 @@ def carry_over_state(pin_dir: Path, sizes: abi.MapSizes) -> list[str]:
         short = pin.removeprefix(abi.PIN_PREFIX)
         if (pin_dir / pin).exists():
             continue
-        older = [
-            p
+        older = {
+            version: p
             for p in pin_dir.glob(f"v*_{short}")
-            if p.name.split("_", 1)[0][1:].isdigit() and p.name != pin
-        ]
+            if (version := abi.pin_version(p.name)) not in (None, abi.ABI_VERSION)
+            and p.name.partition("_")[2] == short
+        }
         if not older:
             continue
-        newest = max(older, key=lambda p: int(p.name.split("_", 1)[0][1:]))
+        newest = older[max(older)]
         if _layout(newest) != layout:
             continue  # another layout or size: this version starts an empty map
         fd = bpfsys.obj_get(newest)
@@ -261,9 +262,8 @@ def remove_other_versions(pin_dir: Path) -> list[str]:
     their last user."""
     removed = []
     for path in sorted(pin_dir.iterdir()):
-        version, _, rest = path.name.partition("_")
-        ours = rest and version[:1] == "v" and version[1:].isdigit()
-        if (ours and int(version[1:]) != abi.ABI_VERSION) or path.name.startswith(RETIRED):
+        version = abi.pin_version(path.name)
+        if (version is not None and version != abi.ABI_VERSION) or path.name.startswith(RETIRED):
             path.unlink()
             removed.append(path.name)
     return removed

@@ -131,3 +131,10 @@ def test_services_to_fit_is_the_smallest_knob_that_holds_the_entries():
         assert abi.derive_sizes(knob)[name] >= needed
         assert knob == 1 or abi.derive_sizes(knob - 1)[name] < needed
     assert abi.services_to_fit("ct", 10**6) is None  # not derived from the knob
+
+
+def test_a_pins_version_is_read_from_its_name_alone():
+    assert abi.pin_version(abi.PIN_PREFIX + "services4") == abi.ABI_VERSION
+    assert abi.pin_version("v1_sock_peer") == 1
+    assert abi.pin_version("retired_v1_ct") is None  # set aside, not a version's pin
+    assert abi.pin_version("vx_ct") is None and abi.pin_version("v2") is None
