@@ -31,6 +31,7 @@ from typing import Protocol
 from kpr import __version__
 from kpr.agent import conflicts, runstate
 from kpr.agent.runner import Kind, Ran, SyncRunner
+from kpr.agent.stale_udp import StaleUdp, udp_serving
 from kpr.datapath import abi, loader, sockets, tc
 from kpr.datapath.capacity import Fit, fit, plan_fits, without
 from kpr.datapath.maps import BpfMaps, execute, slot_blocks
@@ -42,7 +43,6 @@ from kpr.gcpause import paused_gc
 from kpr.health.services import HealthCheckServers
 from kpr.model import (
     EXTERNAL,
-    Backend,
     Frontend,
     NodeContext,
     Problem,
@@ -182,6 +182,7 @@ class Agent:
         self.config = config
         self.observers = observers or []
         self.maps: BpfMaps | None = None
+        self.stale_udp: StaleUdp | None = None  # made by start(), with the maps
         self.cgroup: Path | None = None
         self.repairs = 0  # attachments put back
         self.node = config.node
@@ -250,6 +251,7 @@ class Agent:
         # the address a remote backend sees for masqueraded flows, before any TC program runs
         tc.write_devices(cfg.pin_dir, tc.device_entries(self.devices))
         self.maps = BpfMaps(cfg.pin_dir)
+        self.stale_udp = StaleUdp(self.maps, cgroup, cfg.netns_dirs)
         self._write_node_netns()
         self.programmed = self.maps.read()
         self.state = runstate.RunState(str(cfg.pin_dir), str(cgroup), self.source.description)
@@ -396,7 +398,7 @@ class Agent:
             return self._sync(snapshot, full)
 
     def _sync(self, snapshot: Snapshot | None, full: bool) -> SyncResult:
-        assert self.maps is not None, "start() first"
+        assert self.maps is not None and self.stale_udp is not None, "start() first"
         began = time.perf_counter()
         if snapshot is not None and snapshot.node_addresses != self.node_addresses:
             # `--devices auto` takes the devices holding them: read the devices again
@@ -420,7 +422,7 @@ class Agent:
             self.maps.write_slot_blocks(slot_blocks(reread.services.values()))
         problems = self.source_problems + self.desired.problems
         problems_changed = self._report(problems)
-        udp_before = self._udp_backends(touched)
+        udp_before = udp_serving(self.programmed, touched)
         if snapshot is not None or full:
             # before the backends: a flow to a new local one must not be masqueraded
             self._sync_local_endpoints(reread=full)
@@ -464,7 +466,8 @@ class Agent:
             apply_plan(self.programmed, steps)
         if not self._attached:
             self._attach()
-        self._terminate_stale_udp(udp_before, touched)
+        # UDP flows and connected sockets to backends that no longer serve move on
+        self.stale_udp.synced(udp_before, self.programmed, touched)
         # NodePorts: the external scope, and 127.0.0.1 at the socket (localhostNodePorts)
         if touched is None or any(f.scope == EXTERNAL or f.address.is_loopback for f in touched):
             self._sync_node_ports()
@@ -618,33 +621,6 @@ class Agent:
                 repaired += len(gone)
         return repaired
 
-    def _udp_backends(self, frontends: set[Frontend] | None) -> set[Backend]:
-        """Backends that UDP frontends (these, or all) send to in the maps."""
-        services = self.programmed.services
-        backends = self.programmed.backends
-        chosen = services if frontends is None else (f for f in frontends if f in services)
-        return {
-            backends[bid]
-            for frontend in chosen
-            if frontend.protocol == "UDP"
-            for bid in services[frontend].slots
-            if bid in backends
-        }
-
-    def _terminate_stale_udp(self, before: set[Backend], touched: set[Frontend] | None) -> None:
-        """Connected UDP sockets to backends no UDP frontend uses any more are destroyed,
-        off the sync path (it visits every network namespace of the cgroup and of the
-        netns directories)."""
-        gone = before - self._udp_backends(touched)
-        if gone:
-            gone -= self._udp_backends(None)
-        if gone and self.cgroup is not None:
-            threading.Thread(
-                target=sockets.terminate_udp,
-                args=(gone, self.cgroup, self.config.netns_dirs),
-                daemon=True,
-            ).start()
-
     def wait_saved(self) -> None:
         """Wait for a run-state write in the background to finish (before removing the
         state, as a tool that threw its agent away does)."""
@@ -794,6 +770,8 @@ class Agent:
             log.info("stopping; kpr cleanup removed the programs and pins (pid %d)", os.getpid())
             return
         self._save_state(wait=True)
+        if self.stale_udp is not None:
+            self.stale_udp.wait(timeout=5.0)  # not killed in the middle of a namespace
         log.info("stopping; programs stay attached and maps pinned (pid %d)", os.getpid())
 
 

@@ -554,3 +554,7 @@ SOURCE_RANGE_KEY = layout(SourceRangeKey)  # prefixlen, service_id, address
 NODE_PORT_KEY = layout(NodePortKey)  # port, protocol
 CONFIG = layout(Config)  # node_netns_cookie
 LOCAL_ENDPOINT_KEY = layout(LocalEndpointKey)  # address (IPv4 in the first 4 bytes), family
+FLOW_KEY = layout(FlowKey)  # saddr, daddr, sport, dport, protocol, family
+# backend_address, nat_address, backend_port, nat_port, backend_id, service_id, flags,
+# last_seen_ns
+CT = layout(Ct)

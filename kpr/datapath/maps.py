@@ -12,14 +12,14 @@ import errno
 import logging
 import os
 from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from ipaddress import IPv4Address, IPv6Address, ip_address, ip_network
 from pathlib import Path
 from typing import NamedTuple, Protocol
 
-from kpr.datapath import abi, bpfsys
+from kpr.datapath import abi, bpfsys, flows
 from kpr.datapath.plan import (
     Master,
     Plan,
@@ -647,6 +647,22 @@ class BpfMaps:
             pinned.update_packed(key, b"\x01")
         for key in have - keys:
             pinned.delete_packed(key)
+
+    def udp_flows(self) -> Iterator[flows.Flow]:
+        """The TC path's UDP flows (kpr_ct), read in batches."""
+        for keys, values, _ in self.maps["kpr_ct"].dump():
+            yield from flows.udp_flows(keys, values)
+
+    def forget_flows(self, stale: Iterable[flows.Flow]) -> int:
+        """Delete flows from kpr_ct and their replies' entries from kpr_nat (an entry the
+        LRU evicted meanwhile is no error); how many flows."""
+        ct_map, nat_map = self.maps["kpr_ct"], self.maps["kpr_nat"]
+        count = 0
+        for flow in stale:
+            ct_map.delete_packed(flow.key)
+            nat_map.delete_packed(flow.reply_key)
+            count += 1
+        return count
 
     def read_source_ranges(self) -> list[SourceRange]:
         out = []

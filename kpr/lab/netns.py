@@ -128,6 +128,12 @@ class Lab:
         """Start ``argv`` in the node netns and inside ``cgroup`` (default ``self.cgroup``)."""
         return subprocess.Popen(self.node_command(argv), **self._client_options(kw, cgroup))
 
+    def popen_in_pod(self, pod: Pod, argv: list[str], **kw: object) -> subprocess.Popen:
+        """Start ``argv`` in a pod's netns, inside the client cgroup (the socket hooks see
+        it, as they see a pod's processes on a node)."""
+        argv = ["nsenter", f"--net=/run/netns/{pod.netns}", *argv]
+        return subprocess.Popen(argv, **self._client_options(kw))
+
     def run_client(
         self, argv: list[str], timeout: float = 60, cgroup: Path | None = None, **kw: object
     ) -> subprocess.CompletedProcess:

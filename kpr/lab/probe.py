@@ -118,9 +118,24 @@ def loop_tcp(address: str, port: int, duration_s: float) -> dict:
     return {"total": sum(counts.values()) + len(errors), "counts": dict(counts), "errors": errors}
 
 
-def loop_udp_connected(address: str, port: int, duration_s: float) -> dict:
+def _udp_connected(address: str, port: int, source_port: int = 0) -> socket.socket:
+    """A UDP socket connected to address:port, from `source_port` (0: any)."""
+    sock = socket.socket(family_of(address), socket.SOCK_DGRAM)
+    try:
+        sock.settimeout(0.5)
+        if source_port:
+            sock.bind(("::" if sock.family == socket.AF_INET6 else "0.0.0.0", source_port))
+        sock.connect((address, port))
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
+def loop_udp_connected(address: str, port: int, duration_s: float, source_port: int = 0) -> dict:
     """A long-lived connected UDP client, like a DNS resolver's: one socket, used
-    until it fails, then a new one. Pods answered, in order, and the errors seen."""
+    until it fails, then a new one (from the same `source_port`, if given). Pods
+    answered, in order, and the errors seen."""
     pods: list[str] = []
     errors = []
     start = time.monotonic()
@@ -128,9 +143,7 @@ def loop_udp_connected(address: str, port: int, duration_s: float) -> dict:
     while (now := time.monotonic()) - start < duration_s:
         try:
             if sock is None:
-                sock = socket.socket(family_of(address), socket.SOCK_DGRAM)
-                sock.settimeout(0.5)
-                sock.connect((address, port))
+                sock = _udp_connected(address, port, source_port)
             sock.send(b"probe\n")
             pod = sock.recv(256).decode().split()[0]
             if not pods or pods[-1] != pod:
@@ -144,6 +157,39 @@ def loop_udp_connected(address: str, port: int, duration_s: float) -> dict:
     if sock is not None:
         sock.close()
     return {"pods": pods, "errors": errors}
+
+
+def udp_flow(address: str, port: int, source_port: int, duration_s: float) -> None:
+    """One UDP flow that keeps its source port, as a DNS forwarder's or a game client's:
+    prints the first answer's pod, waits for a line on stdin (the test changes the
+    Service meanwhile), then sends for `duration_s` and prints every answer in order.
+    A socket that fails (destroyed by kpr) is replaced by one from the same port."""
+    sock = _udp_connected(address, port, source_port)
+    first: dict = {"error": "ETIMEDOUT"}
+    for _ in range(10):
+        try:
+            sock.send(b"probe\n")
+            first = {"pod": sock.recv(256).decode().split()[0]}
+            break
+        except OSError as exc:
+            first = {"error": errno_name(exc)}
+    print(json.dumps(first), flush=True)
+    sys.stdin.readline()
+    answers: list[str] = []
+    start = time.monotonic()
+    while time.monotonic() - start < duration_s:
+        try:
+            if sock is None:
+                sock = _udp_connected(address, port, source_port)
+            sock.send(b"probe\n")
+            answers.append(sock.recv(256).decode().split()[0])
+        except OSError as exc:
+            answers.append(errno_name(exc))
+            if not isinstance(exc, TimeoutError) and sock is not None:
+                sock.close()
+                sock = None
+        time.sleep(0.05)
+    print(json.dumps({"answers": answers}), flush=True)
 
 
 def wait_listening(addresses: list[str], port: int, timeout_s: float) -> dict:
@@ -172,6 +218,13 @@ def main(argv: list[str] | None = None) -> int:
             command.add_argument("--bind", help="source address (default: the kernel's choice)")
         if name == "udp-unconnected":
             command.add_argument("--sockets", type=int, default=1)
+        if name == "loop-udp-connected":
+            command.add_argument("--source-port", type=int, default=0)
+    flow = commands.add_parser("udp-flow")
+    flow.add_argument("address")
+    flow.add_argument("port", type=int)
+    flow.add_argument("--source-port", type=int, required=True)
+    flow.add_argument("--duration", type=float, required=True, help="seconds after stdin")
     wait = commands.add_parser("wait")
     wait.add_argument("port", type=int)
     wait.add_argument("addresses", nargs="+")
@@ -191,7 +244,10 @@ def main(argv: list[str] | None = None) -> int:
     elif args.command == "udp-unconnected":
         output = {"results": udp_unconnected(args.address, args.port, args.count, args.sockets)}
     elif args.command == "loop-udp-connected":
-        output = loop_udp_connected(args.address, args.port, args.duration)
+        output = loop_udp_connected(args.address, args.port, args.duration, args.source_port)
+    elif args.command == "udp-flow":
+        udp_flow(args.address, args.port, args.source_port, args.duration)
+        return 0
     elif args.command == "loop-tcp":
         output = loop_tcp(args.address, args.port, args.duration)
     else:

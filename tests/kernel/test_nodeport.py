@@ -8,6 +8,7 @@ source preservation are visible.
 
 from __future__ import annotations
 
+import itertools
 import json
 import shutil
 import subprocess
@@ -236,3 +237,174 @@ def test_tc_programs_removed_behind_the_agents_back_are_attached_again(cluster, 
         assert time.monotonic() < deadline, agents.log("node-1")[-2000:]
         time.sleep(0.2)
     assert all("pod" in r for r in probe(cluster, "tcp", str(n1.ipv4), 30080, count=10))
+
+
+# --- UDP flows follow their Service's backends ------------------------------------------
+
+FLOW_PORT = 30085
+FLOW_CLUSTER_IPS = ["10.96.1.85", "fd00:96::85"]
+FLOW_LB_IP, FLOW_EXTERNAL_IP = "192.168.60.30", "192.168.60.40"
+
+# A UDP server on a second port of a pod: the answer names the pod and the port
+SECOND_PORT_SERVER = """
+import socket, sys
+sock = socket.socket(socket.AF_INET6, socket.SOCK_DGRAM)
+sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+sock.bind(("::", int(sys.argv[2])))
+while True:
+    data, peer = sock.recvfrom(256)
+    sock.sendto(f"{sys.argv[1]}:{sys.argv[2]} {peer[0]}".encode(), peer)
+"""
+
+
+@pytest.fixture(scope="module")
+def flow_pods(cluster):
+    """A pod on each node that no other Service has as a backend."""
+    n1, n2 = cluster.nodes
+    return n1.lab.add_pods(1)[0], n2.lab.add_pods(1)[0]
+
+
+def write_flow_service(agents, backends: list, target_port: int = 8080) -> None:
+    """Service "flows": a LoadBalancer (so also a NodePort, with an external IP), both
+    families, its UDP port to `target_port` of `backends` ((pod, node name) each)."""
+    svc = node_port_service("flows", FLOW_PORT)
+    svc["spec"].update(
+        type="LoadBalancer",
+        ipFamilies=["IPv4", "IPv6"],
+        clusterIPs=FLOW_CLUSTER_IPS,
+        externalIPs=[FLOW_EXTERNAL_IP],
+    )
+    svc["status"] = {"loadBalancer": {"ingress": [{"ip": FLOW_LB_IP}]}}
+    svc["spec"]["ports"][1]["targetPort"] = target_port
+    ports = [("http", 8080, "TCP"), ("dns", target_port, "UDP")]
+    began = time.time()
+    kube.write(
+        agents.source,
+        "flows.yaml",
+        svc,
+        slice_on("flows", backends, 4, ports),
+        slice_on("flows", backends, 6, ports),
+    )
+    agents.wait_synced(began)
+
+
+def start_flows(cluster) -> dict[str, subprocess.Popen]:
+    """A UDP flow that keeps its source port, from every kind of client to every kind of
+    frontend of "flows": through the TC program (from outside the cluster, and from a pod
+    on another node to a node address) and through the socket hooks (pods on the node,
+    the node itself)."""
+    n1, n2 = cluster.nodes
+    client_pod1, client_pod2 = n1.lab.pods[0], n2.lab.pods[0]
+    outside = {
+        "outside -> node-1 NodePort": (str(n1.ipv4), FLOW_PORT),
+        "outside -> node-2 NodePort": (str(n2.ipv4), FLOW_PORT),
+        "outside -> node-1 NodePort IPv6": (str(n1.ipv6), FLOW_PORT),
+        "outside -> LoadBalancer IP": (FLOW_LB_IP, 53),
+        "outside -> external IP": (FLOW_EXTERNAL_IP, 53),
+    }
+    pod_on_node2 = {
+        "pod on node-2 -> node-1 NodePort": (str(n1.ipv4), FLOW_PORT),
+        "pod on node-2 -> ClusterIP": (FLOW_CLUSTER_IPS[0], 53),
+        "pod on node-2 -> LoadBalancer IP": (FLOW_LB_IP, 53),
+    }
+    pod_on_node1 = {
+        "pod on node-1 -> node-1 NodePort": (str(n1.ipv4), FLOW_PORT),
+        "pod on node-1 -> ClusterIP IPv6": (FLOW_CLUSTER_IPS[1], 53),
+        "pod on node-1 -> external IP": (FLOW_EXTERNAL_IP, 53),
+    }
+    node1 = {
+        "node-1 -> its NodePort": (str(n1.ipv4), FLOW_PORT),
+        "node-1 -> 127.0.0.1 NodePort": ("127.0.0.1", FLOW_PORT),
+        "node-1 -> ClusterIP": (FLOW_CLUSTER_IPS[0], 53),
+    }
+    pipes = {"stdin": subprocess.PIPE, "stdout": subprocess.PIPE, "text": True}
+    started: dict[str, subprocess.Popen] = {}
+    source_ports = iter(range(40001, 40100))
+
+    def flow(address: str, port: int) -> list[str]:
+        return [
+            *(sys.executable, "-m", "kpr.lab.probe", "udp-flow", address, str(port)),
+            *("--source-port", str(next(source_ports)), "--duration", "3"),
+        ]
+
+    for name, (address, port) in outside.items():
+        started[name] = subprocess.Popen(cluster.client_command(flow(address, port)), **pipes)
+    for name, (address, port) in pod_on_node2.items():
+        started[name] = n2.lab.popen_in_pod(client_pod2, flow(address, port), **pipes)
+    for name, (address, port) in pod_on_node1.items():
+        started[name] = n1.lab.popen_in_pod(client_pod1, flow(address, port), **pipes)
+    for name, (address, port) in node1.items():
+        started[name] = n1.lab.popen_client(flow(address, port), **pipes)
+    return started
+
+
+def flows_after(started: dict[str, subprocess.Popen], change) -> dict[str, list[str]]:
+    """Each flow's first answer (checked by the caller), then `change()`, then every
+    answer each flow got in the 3 s after."""
+    try:
+        first = {name: json.loads(p.stdout.readline() or "{}") for name, p in started.items()}
+        change()
+        answers = {}
+        for name, process in started.items():
+            out, _ = process.communicate("go\n", timeout=30)
+            answers[name] = [first[name].get("pod", first[name].get("error")), "|"]
+            answers[name] += json.loads(out)["answers"]
+        return answers
+    finally:
+        for process in started.values():
+            process.kill()
+            process.wait()
+
+
+def moved(answers: dict[str, list[str]], old: str, new: str) -> list[str]:
+    """The flows that did not move from `old` to `new` at once: each must have reached
+    `old` first, and reach `new` only in the second half of the 3 s after the change
+    (within one sync: the change was synced before the flows went on)."""
+    wrong = []
+    for name, seen in answers.items():
+        after = seen[2:]
+        if seen[0] != old or not after or set(after[len(after) // 2 :]) != {new}:
+            runs = [f"{pod} x{len(list(same))}" for pod, same in itertools.groupby(after)]
+            wrong.append(f"{name}: {seen[0]} | {', '.join(runs)}")
+    return wrong
+
+
+def test_udp_flows_follow_a_backend_replaced(cluster, agents, flow_pods):
+    """kube-proxy forgets a UDP flow whose backend left the Service (its conntrack
+    entries); a client that keeps its source port reaches the new pod, through a NodePort,
+    a LoadBalancer or external IP, or a ClusterIP, from anywhere."""
+    old, new = flow_pods
+    write_flow_service(agents, [(old, "node-1")])
+    try:
+        started = start_flows(cluster)
+        answers = flows_after(
+            started, lambda: write_flow_service(agents, [(new, "node-2")])
+        )  # the old pod keeps running: only kpr can move the flows
+        wrong = moved(answers, old.name, new.name)
+        assert not wrong, "\n".join(wrong) + "\n" + agents.log("node-1")[-3000:]
+    finally:
+        (agents.source / "flows.yaml").unlink(missing_ok=True)
+
+
+def test_udp_flows_follow_a_target_port_change(cluster, agents, flow_pods):
+    """The Service's targetPort changes, the pod serving both ports: the flows reach the
+    new port, as kube-proxy's conntrack clean-up makes them."""
+    pod = flow_pods[0]
+    second = subprocess.Popen(
+        [
+            *("ip", "netns", "exec", pod.netns, sys.executable, "-c", SECOND_PORT_SERVER),
+            *(pod.name, "9090"),
+        ]
+    )
+    write_flow_service(agents, [(pod, "node-1")])
+    try:
+        started = start_flows(cluster)
+        answers = flows_after(
+            started, lambda: write_flow_service(agents, [(pod, "node-1")], target_port=9090)
+        )
+        wrong = moved(answers, pod.name, f"{pod.name}:9090")
+        assert not wrong, "\n".join(wrong) + "\n" + agents.log("node-1")[-3000:]
+    finally:
+        second.kill()
+        second.wait()
+        (agents.source / "flows.yaml").unlink(missing_ok=True)

@@ -78,10 +78,10 @@ def node_port_service(name: str, node_port: int, **spec) -> dict:
     return svc
 
 
-def slice_on(name: str, pods: list, family: int = 4) -> dict:
+def slice_on(name: str, pods: list, family: int = 4, ports: list = POD_PORTS) -> dict:
     """An EndpointSlice of `pods` (each (pod, node name)), with their nodeName."""
     addresses = [str(pod.ipv4 if family == 4 else pod.ipv6) for pod, _ in pods]
-    eps = kube.endpoint_slice(name, addresses, POD_PORTS, name=f"{name}-v{family}")
+    eps = kube.endpoint_slice(name, addresses, ports, name=f"{name}-v{family}")
     for endpoint, (_, node) in zip(eps["endpoints"], pods, strict=True):
         endpoint["nodeName"] = node
     return eps

@@ -1,0 +1,128 @@
+"""UDP traffic to backends that stopped serving it, moved on after each sync.
+
+UDP has no connection a proxy sees end: a client that keeps its socket, or its source port,
+keeps the backend it was given. kube-proxy deletes the conntrack entries of UDP flows whose
+endpoint left the Service or whose port mapping changed, for every kind of frontend
+(pkg/proxy/conntrack/cleanup.go). kpr's state of the same kind, and what a sync does to it:
+
+- connected sockets the socket hooks gave a backend at connect() (clients on the node,
+  to a ClusterIP or any other frontend): destroyed once no UDP frontend has their backend
+  any more (kpr/datapath/sockets.py, in a thread of its own: it enters every namespace);
+- flows the TC program follows (kpr_ct and kpr_nat: clients elsewhere, to a NodePort,
+  LoadBalancer IP or external IP): deleted when their backend no longer serves their
+  frontend (kpr/datapath/flows.py), at once, so the next datagram gets a live backend.
+  The first sync after a start checks every flow: changes made while no agent ran.
+
+Established TCP connections are left alone, as kube-proxy leaves them.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+from kpr.datapath import flows, sockets
+from kpr.datapath.maps import BpfMaps
+from kpr.datapath.plan import ProgrammedState
+from kpr.model import EXTERNAL, Backend, Frontend
+
+log = logging.getLogger("kpr")
+
+Serving = dict[Frontend, frozenset[Backend]]
+
+
+def udp_serving(programmed: ProgrammedState, frontends: set[Frontend] | None) -> Serving:
+    """The backends of UDP frontends (these, or all) as the maps hold them."""
+    services, backends = programmed.services, programmed.backends
+    chosen = services if frontends is None else (f for f in frontends if f in services)
+    return {
+        frontend: frozenset(backends[bid] for bid in services[frontend].slots if bid in backends)
+        for frontend in chosen
+        if frontend.protocol == "UDP"
+    }
+
+
+def _all_backends(serving: Mapping[Frontend, frozenset[Backend]]) -> set[Backend]:
+    return set().union(*serving.values())
+
+
+class StaleUdp:
+    """Ends the UDP state a sync left pointing at backends that no longer serve."""
+
+    def __init__(self, maps: BpfMaps, cgroup: Path | None, netns_dirs: Sequence[Path] = ()) -> None:
+        self.maps = maps
+        self.cgroup = cgroup
+        self.netns_dirs = tuple(netns_dirs)
+        self._flows_checked = False  # every flow, once after a start
+        self._lock = threading.Lock()
+        self._to_terminate: set[Backend] = set()
+        self._terminator: threading.Thread | None = None
+
+    def synced(
+        self, before: Serving, programmed: ProgrammedState, touched: set[Frontend] | None
+    ) -> None:
+        """After a sync's writes: `before` is `udp_serving(programmed, touched)` as it was
+        before them, `programmed` what the maps hold now."""
+        after = udp_serving(programmed, touched)
+        self._forget_flows(before, after, programmed)
+        gone = _all_backends(before) - _all_backends(after)
+        if gone:  # (and used by no other UDP frontend either)
+            gone -= _all_backends(udp_serving(programmed, None))
+        if gone and self.cgroup is not None:
+            self._terminate(gone)
+
+    def _forget_flows(self, before: Serving, after: Serving, programmed: ProgrammedState) -> None:
+        if not self._flows_checked:
+            # (flows are to EXTERNAL-scope frontends: only those of `serving` are looked up)
+            stale = flows.stale(self.maps.udp_flows(), udp_serving(programmed, None))
+            self._flows_checked = True
+        else:
+            shrunk = {
+                frontend
+                for frontend, backends in before.items()
+                if frontend.scope == EXTERNAL and not backends <= after.get(frontend, frozenset())
+            }
+            if not shrunk:
+                return
+            stale = flows.stale(self.maps.udp_flows(), after, shrunk)
+        if stale:
+            count = self.maps.forget_flows(stale)
+            log.info(
+                "forgot %d UDP flows to backends that no longer serve their frontend (%s): "
+                "their next datagrams get a live backend",
+                count,
+                ", ".join(sorted({f"{f.frontend} -> {f.backend}" for f in stale})[:5]),
+            )
+
+    def _terminate(self, backends: set[Backend]) -> None:
+        """Connected sockets to `backends` destroyed by one thread at a time, off the sync
+        path; what arrives meanwhile is done by the same thread next."""
+        with self._lock:
+            self._to_terminate |= backends
+            if self._terminator is not None:
+                return
+            self._terminator = threading.Thread(
+                target=self._terminate_pending, name="udp-terminate", daemon=True
+            )
+            self._terminator.start()
+
+    def _terminate_pending(self) -> None:
+        while True:
+            with self._lock:
+                batch, self._to_terminate = self._to_terminate, set()
+                if not batch:
+                    self._terminator = None
+                    return
+            try:
+                sockets.terminate_udp(batch, self.cgroup, self.netns_dirs)
+            except Exception:  # a thread's error is nobody's to catch: say it
+                log.exception("terminating connected UDP sockets to removed backends")
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Until the sockets to terminate are done (at exit, and for tests)."""
+        with self._lock:
+            thread = self._terminator
+        if thread is not None:
+            thread.join(timeout)
