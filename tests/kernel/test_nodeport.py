@@ -369,6 +369,36 @@ def moved(answers: dict[str, list[str]], old: str, new: str) -> list[str]:
     return wrong
 
 
+def flow_entries_of(agents, pod, port: int) -> list[str]:
+    """The kpr_ct and kpr_nat entries on either node of UDP flows to `pod`:`port`."""
+    from kpr.datapath import abi, bpfsys
+
+    addresses = {pod.ipv4.packed.ljust(16, b"\0"), pod.ipv6.packed}
+    found = []
+    for node, pin_dir in agents.pins.items():
+        for name in ("kpr_ct", "kpr_nat"):
+            spec = abi.MAPS[name]
+            pinned = bpfsys.PinnedMap.open(pin_dir / spec.pin, spec.key, spec.value)
+            try:
+                for keys, values, _ in pinned.dump():
+                    for key, value in zip(
+                        abi.FLOW_KEY.iter_unpack(keys),
+                        (spec.value.from_buffer_copy(values, i * spec.value_size)
+                         for i in range(len(values) // spec.value_size)),
+                        strict=True,
+                    ):  # fmt: skip
+                        saddr, _, sport, _, protocol, _ = key
+                        if name == "kpr_ct":
+                            to = (bytes(value.backend_address), value.backend_port)
+                        else:
+                            to = (saddr, sport)  # a reply: from the backend
+                        if protocol == 17 and to[0] in addresses and to[1] == port:
+                            found.append(f"{node} {name} {key}")
+            finally:
+                pinned.close()
+    return found
+
+
 def test_udp_flows_follow_a_backend_replaced(cluster, agents, flow_pods):
     """kube-proxy forgets a UDP flow whose backend left the Service (its conntrack
     entries); a client that keeps its source port reaches the new pod, through a NodePort,
@@ -382,6 +412,7 @@ def test_udp_flows_follow_a_backend_replaced(cluster, agents, flow_pods):
         )  # the old pod keeps running: only kpr can move the flows
         wrong = moved(answers, old.name, new.name)
         assert not wrong, "\n".join(wrong) + "\n" + agents.log("node-1")[-3000:]
+        assert flow_entries_of(agents, old, 8080) == []  # forgotten both ways
     finally:
         (agents.source / "flows.yaml").unlink(missing_ok=True)
 
@@ -404,6 +435,7 @@ def test_udp_flows_follow_a_target_port_change(cluster, agents, flow_pods):
         )
         wrong = moved(answers, pod.name, f"{pod.name}:9090")
         assert not wrong, "\n".join(wrong) + "\n" + agents.log("node-1")[-3000:]
+        assert flow_entries_of(agents, pod, 8080) == []
     finally:
         second.kill()
         second.wait()
