@@ -86,7 +86,7 @@ class StaleUdp:
             }
             if not shrunk:
                 return
-            stale = flows.stale(self.maps.udp_flows(), after, shrunk)
+            stale = flows.stale(self.maps.udp_flows(shrunk), after)
         if stale:
             count = self.maps.forget_flows(stale)
             log.info(

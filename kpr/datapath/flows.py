@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from ipaddress import ip_address
 
 from kpr.datapath import abi
-from kpr.model import EXTERNAL, Backend, Frontend
+from kpr.model import EXTERNAL, Backend, Frontend, IPAddress
 
 UDP = socket.IPPROTO_UDP
 
@@ -35,17 +35,26 @@ class Flow:
     reply_key: bytes  # its kpr_nat entry's key: the backend's replies as they arrive
 
 
-def _address(packed: bytes, family: int):
-    return ip_address(packed[:4] if family == 4 else packed)
+def udp_flows(
+    keys: bytes, values: bytes, frontends: Collection[Frontend] | None = None
+) -> Iterator[Flow]:
+    """The UDP flows among packed kpr_ct entries (a `dump` chunk): those to `frontends`,
+    or all. Entries of other frontends are passed over as bytes: a full map holds 65,536."""
+    wanted = None
+    if frontends is not None:
+        wanted = {(f.address.packed.ljust(16, b"\0"), f.port) for f in frontends}
+    addresses: dict[bytes, IPAddress] = {}  # each distinct address decoded once
 
+    def address(packed: bytes, family: int) -> IPAddress:
+        if packed not in addresses:
+            addresses[packed] = ip_address(packed[:4] if family == 4 else packed)
+        return addresses[packed]
 
-def udp_flows(keys: bytes, values: bytes) -> Iterator[Flow]:
-    """The UDP flows among packed kpr_ct entries (a `dump` chunk)."""
     size = abi.FLOW_KEY.size
     entries = zip(abi.FLOW_KEY.iter_unpack(keys), abi.CT.iter_unpack(values), strict=True)
     for index, (key, value) in enumerate(entries):
         saddr, daddr, sport, dport, protocol, family = key
-        if protocol != UDP:
+        if protocol != UDP or (wanted is not None and (daddr, dport) not in wanted):
             continue
         backend_address, nat_address, backend_port, nat_port, _, _, flags, _ = value
         # the replies to the packets as the program sends them on (nodeport.c `follow`):
@@ -55,25 +64,15 @@ def udp_flows(keys: bytes, values: bytes) -> Iterator[Flow]:
         source_port = nat_port if masqueraded else sport
         reply = abi.FLOW_KEY.pack(backend_address, source, backend_port, source_port, UDP, family)
         yield Flow(
-            Frontend(_address(daddr, family), dport, "UDP", EXTERNAL),
-            Backend(_address(backend_address, family), backend_port),
+            Frontend(address(daddr, family), dport, "UDP", EXTERNAL),
+            Backend(address(backend_address, family), backend_port),
             keys[index * size : (index + 1) * size],
             reply,
         )
 
 
-def stale(
-    flows: Iterable[Flow],
-    serving: Mapping[Frontend, Collection[Backend]],
-    frontends: Collection[Frontend] | None = None,
-) -> list[Flow]:
-    """The flows to `frontends` (None: every frontend) whose backend is not among those
-    `serving` their frontend: it left the Service, its port changed, or the frontend is
-    gone."""
+def stale(flows: Iterable[Flow], serving: Mapping[Frontend, Collection[Backend]]) -> list[Flow]:
+    """The flows whose backend is not among those `serving` their frontend: it left the
+    Service, its port changed, or the frontend is gone."""
     none: frozenset[Backend] = frozenset()
-    return [
-        flow
-        for flow in flows
-        if (frontends is None or flow.frontend in frontends)
-        and flow.backend not in serving.get(flow.frontend, none)
-    ]
+    return [flow for flow in flows if flow.backend not in serving.get(flow.frontend, none)]

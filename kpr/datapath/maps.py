@@ -12,7 +12,7 @@ import errno
 import logging
 import os
 from collections import defaultdict
-from collections.abc import Iterable, Iterator
+from collections.abc import Collection, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from ipaddress import IPv4Address, IPv6Address, ip_address, ip_network
@@ -648,10 +648,10 @@ class BpfMaps:
         for key in have - keys:
             pinned.delete_packed(key)
 
-    def udp_flows(self) -> Iterator[flows.Flow]:
-        """The TC path's UDP flows (kpr_ct), read in batches."""
+    def udp_flows(self, frontends: Collection[Frontend] | None = None) -> Iterator[flows.Flow]:
+        """The TC path's UDP flows (kpr_ct) to `frontends`, or all, read in batches."""
         for keys, values, _ in self.maps["kpr_ct"].dump():
-            yield from flows.udp_flows(keys, values)
+            yield from flows.udp_flows(keys, values, frontends)
 
     def forget_flows(self, stale: Iterable[flows.Flow]) -> int:
         """Delete flows from kpr_ct and their replies' entries from kpr_nat (an entry the

@@ -31,9 +31,9 @@ class FlowMaps:
         self.table = list(table)
         self.reads = 0
 
-    def udp_flows(self):
+    def udp_flows(self, frontends=None):
         self.reads += 1
-        return iter(list(self.table))
+        return iter([f for f in self.table if frontends is None or f.frontend in frontends])
 
     def forget_flows(self, stale) -> int:
         stale = list(stale)

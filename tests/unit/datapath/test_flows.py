@@ -55,6 +55,21 @@ def test_udp_flows_are_decoded_with_the_keys_of_both_their_entries():
     ]
 
 
+def test_flows_to_some_frontends_are_picked_out_before_decoding():
+    to_a = ct_entry(CLIENT4, 40000, NODE4, 30080, POD4, 8080)
+    to_b = ct_entry(CLIENT4, 40000, NODE4, 30081, POD4, 8080)
+    to_a6 = ct_entry(CLIENT6, 40000, NODE6, 30080, POD6, 8080)
+    keys, values = to_a[0] + to_b[0] + to_a6[0], to_a[1] + to_b[1] + to_a6[1]
+
+    def frontends(*wanted: Frontend) -> list[Frontend]:
+        return [f.frontend for f in flows.udp_flows(keys, values, wanted)]
+
+    fe_a, fe_a6 = Frontend(NODE4, 30080, "UDP", EXTERNAL), Frontend(NODE6, 30080, "UDP", EXTERNAL)
+    assert frontends(fe_a) == [fe_a]
+    assert frontends(fe_a6, Frontend(NODE4, 30082, "UDP", EXTERNAL)) == [fe_a6]
+    assert frontends() == []
+
+
 def test_stale_flows_are_those_whose_backend_no_longer_serves_their_frontend():
     fe_a = Frontend(NODE4, 30080, "UDP", EXTERNAL)
     fe_b = Frontend(NODE4, 30081, "UDP", EXTERNAL)
@@ -66,9 +81,6 @@ def test_stale_flows_are_those_whose_backend_no_longer_serves_their_frontend():
 
     to_old, to_new = flow(fe_a, old, 1), flow(fe_a, new, 2)
     other, gone = flow(fe_b, old, 3), flow(fe_gone, new, 4)
-    every = [to_old, to_new, other, gone]
     serving = {fe_a: frozenset({new}), fe_b: frozenset()}
 
-    assert flows.stale(every, serving) == [to_old, other, gone]
-    assert flows.stale(every, serving, frontends={fe_a}) == [to_old]
-    assert flows.stale(every, serving, frontends=set()) == []
+    assert flows.stale([to_old, to_new, other, gone], serving) == [to_old, other, gone]
