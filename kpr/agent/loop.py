@@ -32,6 +32,7 @@ from kpr import __version__
 from kpr.agent import conflicts, runstate
 from kpr.agent.runner import Kind, Ran, SyncRunner
 from kpr.agent.stale_udp import StaleUdp, udp_serving
+from kpr.agent.worker import Worker
 from kpr.datapath import abi, loader, sockets, tc
 from kpr.datapath.capacity import Fit, fit, plan_fits, without
 from kpr.datapath.maps import BpfMaps, execute, slot_blocks
@@ -197,7 +198,8 @@ class Agent:
         self.left_out: dict[Frontend, ServiceName] = {}
         self.left_out_why = ""
         self._saved_at = 0.0
-        self._saver: threading.Thread | None = None
+        # the one background thread: run state writes, UDP socket termination, malloc_trim
+        self.worker = Worker()
         self._state_lock = threading.Lock()
         self._attached = False
         self._previous: runstate.RunState | None = None
@@ -251,7 +253,7 @@ class Agent:
         # the address a remote backend sees for masqueraded flows, before any TC program runs
         tc.write_devices(cfg.pin_dir, tc.device_entries(self.devices))
         self.maps = BpfMaps(cfg.pin_dir)
-        self.stale_udp = StaleUdp(self.maps, cgroup, cfg.netns_dirs)
+        self.stale_udp = StaleUdp(self.maps, cgroup, cfg.netns_dirs, self.worker.submit)
         self._write_node_netns()
         self.programmed = self.maps.read()
         self.state = runstate.RunState(str(cfg.pin_dir), str(cgroup), self.source.description)
@@ -507,7 +509,7 @@ class Agent:
                         size,
                     )
             # off the sync path: it walks the whole heap (10s of ms at 10,000 Services)
-            threading.Thread(target=_return_free_memory, name="malloc-trim", daemon=True).start()
+            self.worker.submit("malloc-trim", _return_free_memory)
         outcome = SyncResult(
             full=full,
             writes=writes,
@@ -624,16 +626,13 @@ class Agent:
     def wait_saved(self) -> None:
         """Wait for a run-state write in the background to finish (before removing the
         state, as a tool that threw its agent away does)."""
-        if self._saver is not None:
-            self._saver.join()
+        self.worker.wait("save-state")
 
     def _save_state(self, wait: bool = False) -> None:
         """Write the run state file. Serialising it grows with the Services, so
-        after partial syncs it is written from a copy by a background thread."""
-        if self._saver is not None and self._saver.is_alive():
-            if not wait:
-                return  # still writing the previous one; the next loop tries again
-            self._saver.join()
+        after partial syncs it is written from a copy by the worker."""
+        if not wait and self.worker.busy("save-state"):
+            return  # still writing the previous one; the next loop tries again
         unsaved, self._unsaved = self._unsaved, None
         desired = Translation(dict(self.desired.frontends), set(self.desired.held))
         watches = self.source.status()
@@ -649,10 +648,10 @@ class Agent:
 
         self._saved_at = self.clock()
         if wait:
+            self.wait_saved()
             write()
         else:
-            self._saver = threading.Thread(target=write, name="save-state", daemon=True)
-            self._saver.start()
+            self.worker.submit("save-state", write)
 
     def _save_source_status(self) -> None:
         """The watches' health for `kpr status`, when it changed (not every loop)."""
@@ -765,13 +764,12 @@ class Agent:
         self.source.stop()
         if self.stood_down():
             # nothing of kpr stays on the node: not even the run state it wrote since
-            self.wait_saved()
+            self.worker.stop()
             runstate.remove(cfg.pin_dir, marker=True)
             log.info("stopping; kpr cleanup removed the programs and pins (pid %d)", os.getpid())
             return
         self._save_state(wait=True)
-        if self.stale_udp is not None:
-            self.stale_udp.wait(timeout=5.0)  # not killed in the middle of a namespace
+        self.worker.stop()  # its jobs finish: none is cut off in the middle of a namespace
         log.info("stopping; programs stay attached and maps pinned (pid %d)", os.getpid())
 
 

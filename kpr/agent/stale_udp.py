@@ -7,7 +7,7 @@ endpoint left the Service or whose port mapping changed, for every kind of front
 
 - connected sockets the socket hooks gave a backend at connect() (clients on the node,
   to a ClusterIP or any other frontend): destroyed once no UDP frontend has their backend
-  any more (kpr/datapath/sockets.py, in a thread of its own: it enters every namespace);
+  any more (kpr/datapath/sockets.py, by the agent's worker: it enters every namespace);
 - flows the TC program follows (kpr_ct and kpr_nat: clients elsewhere, to a NodePort,
   LoadBalancer IP or external IP): deleted when their backend no longer serves their
   frontend (kpr/datapath/flows.py), at once, so the next datagram gets a live backend.
@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 from kpr.datapath import flows, sockets
@@ -31,6 +31,7 @@ from kpr.model import EXTERNAL, Backend, Frontend
 log = logging.getLogger("kpr")
 
 Serving = dict[Frontend, frozenset[Backend]]
+Submit = Callable[[str, Callable[[], None]], None]  # Worker.submit
 
 
 def udp_serving(programmed: ProgrammedState, frontends: set[Frontend] | None) -> Serving:
@@ -51,14 +52,21 @@ def _all_backends(serving: Mapping[Frontend, frozenset[Backend]]) -> set[Backend
 class StaleUdp:
     """Ends the UDP state a sync left pointing at backends that no longer serve."""
 
-    def __init__(self, maps: BpfMaps, cgroup: Path | None, netns_dirs: Sequence[Path] = ()) -> None:
+    def __init__(
+        self,
+        maps: BpfMaps,
+        cgroup: Path | None,
+        netns_dirs: Sequence[Path] = (),
+        submit: Submit | None = None,
+    ) -> None:
         self.maps = maps
         self.cgroup = cgroup
         self.netns_dirs = tuple(netns_dirs)
         self._flows_checked = False  # every flow, once after a start
         self._lock = threading.Lock()
         self._to_terminate: set[Backend] = set()
-        self._terminator: threading.Thread | None = None
+        # the agent's worker (kpr/agent/worker.py); without one, at once
+        self._submit: Submit = submit or (lambda _name, job: job())
 
     def synced(
         self, before: Serving, programmed: ProgrammedState, touched: set[Frontend] | None
@@ -97,32 +105,14 @@ class StaleUdp:
             )
 
     def _terminate(self, backends: set[Backend]) -> None:
-        """Connected sockets to `backends` destroyed by one thread at a time, off the sync
-        path; what arrives meanwhile is done by the same thread next."""
+        """Connected sockets to `backends` destroyed off the sync path, by the agent's
+        worker; what arrives before the job runs is done by the same job."""
         with self._lock:
             self._to_terminate |= backends
-            if self._terminator is not None:
-                return
-            self._terminator = threading.Thread(
-                target=self._terminate_pending, name="udp-terminate", daemon=True
-            )
-            self._terminator.start()
+        self._submit("udp-terminate", self._terminate_pending)
 
     def _terminate_pending(self) -> None:
-        while True:
-            with self._lock:
-                batch, self._to_terminate = self._to_terminate, set()
-                if not batch:
-                    self._terminator = None
-                    return
-            try:
-                sockets.terminate_udp(batch, self.cgroup, self.netns_dirs)
-            except Exception:  # a thread's error is nobody's to catch: say it
-                log.exception("terminating connected UDP sockets to removed backends")
-
-    def wait(self, timeout: float | None = None) -> None:
-        """Until the sockets to terminate are done (at exit, and for tests)."""
         with self._lock:
-            thread = self._terminator
-        if thread is not None:
-            thread.join(timeout)
+            batch, self._to_terminate = self._to_terminate, set()
+        if batch:
+            sockets.terminate_udp(batch, self.cgroup, self.netns_dirs)

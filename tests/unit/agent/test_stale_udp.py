@@ -130,6 +130,5 @@ def test_sockets_are_terminated_to_backends_no_udp_frontend_has_any_more(monkeyp
     # be(2) still serves `other`; be(3) was never a UDP backend
     state = lab.sync({cluster_ip: [be(4)], other: [be(2)], tcp: [be(4)]})
     udp.synced(before, state, {cluster_ip, tcp})
-    udp.wait(timeout=5)
 
     assert terminated == [{be(1)}]
