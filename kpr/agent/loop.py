@@ -21,24 +21,20 @@ import logging
 import os
 import threading
 import time
-from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from ipaddress import IPv6Address
 from pathlib import Path
 from typing import Protocol
 
 from kpr import __version__
 from kpr.agent import conflicts, runstate
+from kpr.agent.programmer import Programmer
 from kpr.agent.runner import Kind, Ran, SyncRunner
 from kpr.agent.stale_udp import StaleUdp, udp_serving
 from kpr.agent.worker import Worker
 from kpr.datapath import abi, loader, sockets, tc
-from kpr.datapath.capacity import Fit, fit, plan_fits, without
-from kpr.datapath.maps import BpfMaps, execute, slot_blocks
-from kpr.datapath.plan import apply_plan, plan
-from kpr.desired.drift import drift as find_drift
-from kpr.desired.drift import entries
+from kpr.datapath.maps import BpfMaps
+from kpr.datapath.plan import ProgrammedState
 from kpr.desired.state import DesiredState
 from kpr.gcpause import paused_gc
 from kpr.health.services import HealthCheckServers
@@ -47,10 +43,8 @@ from kpr.model import (
     Frontend,
     NodeContext,
     Problem,
-    ServiceName,
     Snapshot,
     Translation,
-    by_key,
 )
 from kpr.node import host
 from kpr.node.devices import (
@@ -141,17 +135,6 @@ class SyncResult:
     left_out_why: str = ""
 
 
-def _failure_summary(errors: list[str], failed: set[Frontend], limit: int = 3) -> str:
-    """Many failed writes as one line: each distinct reason counted, a few examples of
-    those not written by the retry either (an error reads "<map>: <reason> (<entry>)")."""
-    reasons = Counter(e.rsplit(" (", 1)[0] for e in errors)
-    counted = ", ".join(f"{n} x {why}" for why, n in reasons.most_common(limit))
-    # (bounded: looking for each failed frontend in each error is quadratic at 10,000s)
-    names = [str(f) for f in sorted(failed, key=by_key)[:100]]
-    examples = [e for e in errors[:1000] if any(n in e for n in names)][:limit] or errors[:limit]
-    return f"{len(errors)} map writes failed ({counted}), e.g. {'; '.join(examples)}"
-
-
 def _limit_malloc_arenas() -> None:
     """One glibc arena per thread (the watchers) scatters freed memory over many
     heaps that are never given back; two are plenty for this workload."""
@@ -183,6 +166,7 @@ class Agent:
         self.config = config
         self.observers = observers or []
         self.maps: BpfMaps | None = None
+        self.programmer: Programmer | None = None  # made by start(), with the maps
         self.stale_udp: StaleUdp | None = None  # made by start(), with the maps
         self.cgroup: Path | None = None
         self.repairs = 0  # attachments put back
@@ -194,9 +178,6 @@ class Agent:
         self.last_sync = 0.0
         self.node_deleting = False
         self._unsaved: tuple | None = None  # a sync not yet in the run state file
-        # desired frontends left out as they do not fit the maps (their Service), and why
-        self.left_out: dict[Frontend, ServiceName] = {}
-        self.left_out_why = ""
         self._saved_at = 0.0
         # the one background thread: run state writes, UDP socket termination, malloc_trim
         self.worker = Worker()
@@ -218,6 +199,12 @@ class Agent:
     def desired(self) -> Translation:
         """The desired state of the datapath, all Services merged."""
         return self.store.translation
+
+    @property
+    def programmed(self) -> ProgrammedState:
+        """What the maps hold, as written."""
+        assert self.programmer is not None, "start() first"
+        return self.programmer.programmed
 
     def start(self) -> None:
         """Compile and pin the programs, open the pinned maps, adopt their content. The
@@ -255,7 +242,7 @@ class Agent:
         self.maps = BpfMaps(cfg.pin_dir)
         self.stale_udp = StaleUdp(self.maps, cgroup, cfg.netns_dirs, self.worker.submit)
         self._write_node_netns()
-        self.programmed = self.maps.read()
+        self.programmer = Programmer(self.maps, cfg.sizes)
         self.state = runstate.RunState(str(cfg.pin_dir), str(cgroup), self.source.description)
         self._record_devices()
         self.state.node = node_record(cfg.node)
@@ -400,7 +387,8 @@ class Agent:
             return self._sync(snapshot, full)
 
     def _sync(self, snapshot: Snapshot | None, full: bool) -> SyncResult:
-        assert self.maps is not None and self.stale_udp is not None, "start() first"
+        programmer = self.programmer
+        assert programmer is not None and self.stale_udp is not None, "start() first"
         began = time.perf_counter()
         if snapshot is not None and snapshot.node_addresses != self.node_addresses:
             # `--devices auto` takes the devices holding them: read the devices again
@@ -414,77 +402,35 @@ class Agent:
         if full:
             pins = self._repair_pins()
             attachments = self._repair_attachments()
-            reread = self.maps.read()
-            # what was written against what the maps hold: what this sync repairs
-            drift = len(find_drift(entries(self.programmed), entries(reread)))
-            self.programmed = reread
+            drift = programmer.reread()  # what was written against what the maps hold
             touched = None
-            # the slot blocks are not read back: write them all again from the slot entries
-            # (a previous run may have stopped between the two)
-            self.maps.write_slot_blocks(slot_blocks(reread.services.values()))
         problems = self.source_problems + self.desired.problems
         problems_changed = self._report(problems)
-        udp_before = udp_serving(self.programmed, touched)
+        udp_before = udp_serving(programmer.programmed, touched)
         if snapshot is not None or full:
             # before the backends: a flow to a new local one must not be masqueraded
             self._sync_local_endpoints(reread=full)
-        # what does not fit the maps is left out before anything is written, whole
-        # Services only (kpr/datapath/capacity.py)
-        # (first from the plan's own writes: a sync that fits, the rule, walks nothing more)
-        steps = plan(self.programmed, self.desired, touched)
-        if plan_fits(self.programmed, steps, self.config.sizes):
-            checked = Fit(touched=touched)
-        else:
-            checked = fit(self.programmed, self.desired, self.config.sizes, touched)
-        if touched is None:
-            self.left_out = {}
-        else:
-            for frontend in touched:
-                self.left_out.pop(frontend, None)
-        for service, frontends in checked.left_out.items():
-            self.left_out.update(dict.fromkeys(frontends, service))
-        if checked.shortfalls:
-            self.left_out_why = "; ".join(str(s) for s in checked.shortfalls)
-        elif not self.left_out:
-            self.left_out_why = ""
-        if checked.left_out or checked.touched != touched:
-            steps = plan(
-                self.programmed,
-                without(self.desired, checked.left_out) if touched is None else self.desired,
-                checked.touched,
-            )
-        writes = steps.writes()
-        result = execute(self.maps, steps)
-        if result.failed:
-            # one line, however many (a full map fails them all)
-            log.error("%s", _failure_summary(sorted(set(result.errors)), result.failed))
-            log.error(
-                "%d frontends keep their previous backends until the next sync: %s",
-                len(result.failed),
-                ", ".join(sorted(str(f) for f in result.failed)[:10]),
-            )
-            self.programmed = self.maps.read()
-        else:
-            apply_plan(self.programmed, steps)
+        written = programmer.write(self.desired, touched)
         if not self._attached:
             self._attach()
         # UDP flows and connected sockets to backends that no longer serve move on
-        self.stale_udp.synced(udp_before, self.programmed, touched)
+        self.stale_udp.synced(udp_before, programmer.programmed, touched)
         # NodePorts: the external scope, and 127.0.0.1 at the socket (localhostNodePorts)
         if touched is None or any(f.scope == EXTERNAL or f.address.is_loopback for f in touched):
             self._sync_node_ports()
         listed = getattr(self.source, "synced_at", None)
         if self.state.first_sync_after_list is None and listed:
             self.state.first_sync_after_list = time.time() - listed
-        if full or writes or problems_changed:
+        left_out, left_out_why = programmer.left_out, programmer.left_out_why
+        if full or written.writes or problems_changed:
             # serialising the whole desired state grows with the Services: on
             # the partial path it is left to the run loop, once things are quiet
             self._unsaved = (
-                result.failed,
+                written.failed,
                 problems,
                 time.time(),
-                dict(self.left_out),
-                self.left_out_why,
+                dict(left_out),
+                left_out_why,
             )
             if full:
                 self._save_state()
@@ -497,7 +443,7 @@ class Agent:
             # Frozen objects are still freed by reference counting when they die;
             # the objects kpr builds hold no reference cycles.
             gc.freeze()
-            fill = self.map_fill()
+            fill = programmer.fill()
             for name, (used, size) in fill.items():
                 if used >= abi.MAP_PRESSURE * size:
                     log.warning(
@@ -512,16 +458,16 @@ class Agent:
             self.worker.submit("malloc-trim", _return_free_memory)
         outcome = SyncResult(
             full=full,
-            writes=writes,
+            writes=written.writes,
             seconds=time.perf_counter() - began,
-            failed=len(result.failed),
+            failed=len(written.failed),
             services_changed=-1
             if snapshot is None or snapshot.changed is None
             else len(snapshot.changed),
             trigger_times=[s.trigger_time for s in snapshot.slices if s.trigger_time]
             if snapshot is not None and snapshot.changed is not None
             else [],
-            drift_repaired=drift if writes else 0,
+            drift_repaired=drift if written.writes else 0,
             attachments_repaired=attachments,
             pins_repaired=pins,
             node_deleting=self.node_deleting,
@@ -530,30 +476,30 @@ class Agent:
                 sum(external for _, external in self.desired.no_local_endpoints.values()),
             ),
             map_fill=fill,
-            frontends_programmed=len(self.programmed.services),
-            services_left_out=len(set(self.left_out.values())),
-            frontends_left_out=len(self.left_out),
-            left_out_why=self.left_out_why,
+            frontends_programmed=len(programmer.programmed.services),
+            services_left_out=len(set(left_out.values())),
+            frontends_left_out=len(left_out),
+            left_out_why=left_out_why,
         )
-        if writes or checked.left_out:
-            left_out = ""
-            if self.left_out:
-                names = sorted({f"{ns}/{name}" for ns, name in self.left_out.values()})
-                left_out = (
+        if written.writes or written.left_out_now:
+            left_out_line = ""
+            if left_out:
+                names = sorted({f"{ns}/{name}" for ns, name in left_out.values()})
+                left_out_line = (
                     f"; {outcome.services_left_out} Services ({outcome.frontends_left_out} "
                     f"frontends) left out, they do not fit the maps "
                     f"({', '.join(names[:3])}{', ...' if len(names) > 3 else ''}): "
-                    f"{self.left_out_why}"
+                    f"{left_out_why}"
                 )
             log.log(
-                logging.WARNING if self.left_out else logging.INFO,
+                logging.WARNING if left_out else logging.INFO,
                 "%s sync: %d frontends programmed, %d map operations in %.3fs%s%s",
                 "full" if full else "partial",
                 outcome.frontends_programmed,
-                writes,
+                written.writes,
                 outcome.seconds,
                 f" (repaired {drift} drifted frontends)" if drift else "",
-                left_out,
+                left_out_line,
             )
         for observer in self.observers:
             observer.synced(outcome)
@@ -661,25 +607,6 @@ class Agent:
             with self._state_lock:
                 self.state.watches = watches
                 self.state.save()
-
-    def map_fill(self) -> dict[str, tuple[int, int]]:
-        """Entries and capacity of the service, backend and reverse maps, from what
-        the agent wrote (reading the kernel maps would walk every key)."""
-        sizes = self.config.sizes
-        programmed = self.programmed
-        used: dict[str, int] = {}
-        # (isinstance, not .version: a property call each, for 100,000s of backends)
-        for name, targets in (
-            ("services", programmed.services.keys()),
-            ("backends", programmed.backends.values()),
-            ("revnat", programmed.revnat.values()),
-        ):
-            v6 = sum(isinstance(t.address, IPv6Address) for t in targets)
-            used[f"{name}4"] = len(targets) - v6
-            used[f"{name}6"] = v6
-        used["slots"] = sum(len(s.slots) for s in programmed.services.values())
-        # (each map's MapSizes field: its name without the family)
-        return {name: (count, getattr(sizes, name.rstrip("46"))) for name, count in used.items()}
 
     def _report(self, problems: list[Problem]) -> bool:
         """Log each problem once, while it lasts; whether they changed (a bad edit that

@@ -131,7 +131,7 @@ def test_what_does_not_fit_the_maps_is_counted_after_each_sync() -> None:
 def test_a_flood_of_failed_writes_is_one_line_with_a_count_and_a_few_examples() -> None:
     from ipaddress import ip_address
 
-    from kpr.agent.loop import _failure_summary
+    from kpr.agent.programmer import _failure_summary
     from kpr.model import Frontend
 
     failed = {Frontend(ip_address(f"10.96.{n // 256}.{n % 256}"), 80, "TCP") for n in range(5000)}

@@ -1,0 +1,131 @@
+"""The maps made equal to the desired state: plan, fit, write, and what was left out.
+
+One job: given the desired state and the frontends a sync touched, write the difference
+(kpr/datapath/plan.py) in the reader-safe order (kpr/datapath/maps.py `execute`), leaving
+out before anything is written whole Services that do not fit the maps
+(kpr/datapath/capacity.py). It holds what the maps hold (`programmed`), as written, and
+reads the maps again when a full sync asks (`reread`), which is how drift made behind
+kpr's back is found and then repaired by the next write.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from dataclasses import dataclass, field
+from ipaddress import IPv6Address
+
+from kpr.datapath import abi
+from kpr.datapath.capacity import Fit, fit, plan_fits, without
+from kpr.datapath.maps import BpfMaps, execute, slot_blocks
+from kpr.datapath.plan import ProgrammedState, apply_plan, plan
+from kpr.desired.drift import drift as find_drift
+from kpr.desired.drift import entries
+from kpr.model import Frontend, ServiceName, Translation, by_key
+
+log = logging.getLogger("kpr")
+
+
+@dataclass
+class Written:
+    """What one `Programmer.write` did."""
+
+    writes: int  # map operations
+    failed: set[Frontend] = field(default_factory=set)  # keep their previous backends
+    left_out_now: bool = False  # this write left Services out (they do not fit)
+
+
+def _failure_summary(errors: list[str], failed: set[Frontend], limit: int = 3) -> str:
+    """Many failed writes as one line: each distinct reason counted, a few examples of
+    those not written by the retry either (an error reads "<map>: <reason> (<entry>)")."""
+    reasons = Counter(e.rsplit(" (", 1)[0] for e in errors)
+    counted = ", ".join(f"{n} x {why}" for why, n in reasons.most_common(limit))
+    # (bounded: looking for each failed frontend in each error is quadratic at 10,000s)
+    names = [str(f) for f in sorted(failed, key=by_key)[:100]]
+    examples = [e for e in errors[:1000] if any(n in e for n in names)][:limit] or errors[:limit]
+    return f"{len(errors)} map writes failed ({counted}), e.g. {'; '.join(examples)}"
+
+
+class Programmer:
+    def __init__(self, maps: BpfMaps, sizes: abi.MapSizes) -> None:
+        self.maps = maps
+        self.sizes = sizes
+        self.programmed: ProgrammedState = maps.read()  # adopted from a previous run
+        # desired frontends left out as they do not fit the maps (their Service), and why
+        self.left_out: dict[Frontend, ServiceName] = {}
+        self.left_out_why = ""
+
+    def reread(self) -> int:
+        """Read the maps again (a full sync): how many frontends differ from what was
+        written, which the next `write` of every frontend repairs."""
+        reread = self.maps.read()
+        drift = len(find_drift(entries(self.programmed), entries(reread)))
+        self.programmed = reread
+        # the slot blocks are not read back: write them all again from the slot entries
+        # (a previous run may have stopped between the two)
+        self.maps.write_slot_blocks(slot_blocks(reread.services.values()))
+        return drift
+
+    def write(self, desired: Translation, touched: set[Frontend] | None) -> Written:
+        """Write what `touched` frontends (None: all) need to equal `desired`."""
+        # what does not fit the maps is left out before anything is written, whole
+        # Services only (first bounded from the plan's own writes: a sync that fits, the
+        # rule, walks nothing more)
+        steps = plan(self.programmed, desired, touched)
+        if plan_fits(self.programmed, steps, self.sizes):
+            checked = Fit(touched=touched)
+        else:
+            checked = fit(self.programmed, desired, self.sizes, touched)
+        self._record_left_out(checked, touched)
+        if checked.left_out or checked.touched != touched:
+            steps = plan(
+                self.programmed,
+                without(desired, checked.left_out) if touched is None else desired,
+                checked.touched,
+            )
+        result = execute(self.maps, steps)
+        if result.failed:
+            # one line, however many (a full map fails them all)
+            log.error("%s", _failure_summary(sorted(set(result.errors)), result.failed))
+            log.error(
+                "%d frontends keep their previous backends until the next sync: %s",
+                len(result.failed),
+                ", ".join(sorted(str(f) for f in result.failed)[:10]),
+            )
+            self.programmed = self.maps.read()
+        else:
+            apply_plan(self.programmed, steps)
+        return Written(steps.writes(), set(result.failed), bool(checked.left_out))
+
+    def _record_left_out(self, checked: Fit, touched: set[Frontend] | None) -> None:
+        if touched is None:
+            self.left_out = {}
+        else:
+            for frontend in touched:
+                self.left_out.pop(frontend, None)
+        for service, frontends in checked.left_out.items():
+            self.left_out.update(dict.fromkeys(frontends, service))
+        if checked.shortfalls:
+            self.left_out_why = "; ".join(str(s) for s in checked.shortfalls)
+        elif not self.left_out:
+            self.left_out_why = ""
+
+    def fill(self) -> dict[str, tuple[int, int]]:
+        """Entries and capacity of the service, backend and reverse maps, from what
+        was written (reading the kernel maps would walk every key)."""
+        programmed = self.programmed
+        used: dict[str, int] = {}
+        # (isinstance, not .version: a property call each, for 100,000s of backends)
+        for name, targets in (
+            ("services", programmed.services.keys()),
+            ("backends", programmed.backends.values()),
+            ("revnat", programmed.revnat.values()),
+        ):
+            v6 = sum(isinstance(t.address, IPv6Address) for t in targets)
+            used[f"{name}4"] = len(targets) - v6
+            used[f"{name}6"] = v6
+        used["slots"] = sum(len(s.slots) for s in programmed.services.values())
+        # (each map's MapSizes field: its name without the family)
+        return {
+            name: (count, getattr(self.sizes, name.rstrip("46"))) for name, count in used.items()
+        }
