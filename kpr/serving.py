@@ -19,6 +19,7 @@ import sys
 import threading
 import time
 from collections import OrderedDict
+from typing import cast
 
 log = logging.getLogger(__name__)
 
@@ -29,10 +30,15 @@ MAX_WAITING = 128  # connections waiting for their request to begin: a descripto
 # the agent needs its descriptors (maps, netlink) under a soft RLIMIT_NOFILE of 1024 on hosts
 LISTEN_BACKLOG = 128
 
+# what socketserver hands a server: a stream server's accepted socket, or a datagram
+# server's (data, socket)
+_Request = socket.socket | tuple[bytes, socket.socket]
 
-class BoundedThreadingMixIn(socketserver.ThreadingMixIn):
+
+class BoundedThreadingMixIn(socketserver.ThreadingMixIn, socketserver.TCPServer):
     """A thread per request being served, at most `max_connections` of them; connections
-    that have sent nothing yet wait in a selector, without a thread."""
+    that have sent nothing yet wait in a selector, without a thread. Listed before a TCP
+    server class among the bases, as ThreadingMixIn is: its requests are accepted sockets."""
 
     daemon_threads = True
     request_queue_size = LISTEN_BACKLOG
@@ -42,28 +48,29 @@ class BoundedThreadingMixIn(socketserver.ThreadingMixIn):
     _waiting: OrderedDict[socket.socket, tuple[float, object]]
     _selector: selectors.BaseSelector
 
-    def handle_error(self, request: object, client_address: object) -> None:
+    def handle_error(self, request: _Request, client_address: object) -> None:
         """A client that went away before its answer (a probe past its timeout) is no error
         worth a traceback; anything else is, as socketserver prints it."""
         if isinstance(sys.exc_info()[1], ConnectionError):
             log.debug("%s went away before its answer", client_address)
             return
-        super().handle_error(request, client_address)  # type: ignore[misc]
+        super().handle_error(request, client_address)
 
     def server_activate(self) -> None:
         self._slots = threading.BoundedSemaphore(self.max_connections)
         self._waiting = OrderedDict()
         self._selector = selectors.DefaultSelector()
-        super().server_activate()  # type: ignore[misc]
+        super().server_activate()
 
-    def process_request(self, request: socket.socket, client_address: object) -> None:
+    def process_request(self, request: _Request, client_address: object) -> None:
         """Accepted: wait, without a thread, until the request begins."""
+        connection = cast(socket.socket, request)  # (a TCP server's request)
         if len(self._waiting) >= MAX_WAITING:
             oldest, _ = self._waiting.popitem(last=False)
             self._drop(oldest)
         deadline = time.monotonic() + self.request_timeout
-        self._waiting[request] = (deadline, client_address)
-        self._selector.register(request, selectors.EVENT_READ)
+        self._waiting[connection] = (deadline, client_address)
+        self._selector.register(connection, selectors.EVENT_READ)
 
     def service_actions(self) -> None:
         """Each turn of serve_forever: hand begun requests to threads, close idle ones."""
@@ -71,13 +78,13 @@ class BoundedThreadingMixIn(socketserver.ThreadingMixIn):
         if not self._waiting:
             return
         for key, _ in self._selector.select(timeout=0):
-            request = key.fileobj
+            request = cast(socket.socket, key.fileobj)  # (only connections are registered)
             if not self._slots.acquire(blocking=False):
                 break  # every thread busy: the rest wait for the next turn
-            deadline, client_address = self._waiting.pop(request)  # type: ignore[call-overload]
+            deadline, client_address = self._waiting.pop(request)
             self._selector.unregister(request)
             # what is left of the client's time bounds each read and write from here on
-            request.settimeout(max(0.001, deadline - time.monotonic()))  # type: ignore[union-attr]
+            request.settimeout(max(0.001, deadline - time.monotonic()))
             try:
                 super().process_request(request, client_address)
             except BaseException:
@@ -93,9 +100,9 @@ class BoundedThreadingMixIn(socketserver.ThreadingMixIn):
     def _drop(self, request: socket.socket) -> None:
         with contextlib.suppress(KeyError, ValueError):  # not registered, or closed
             self._selector.unregister(request)
-        self.shutdown_request(request)  # type: ignore[attr-defined]
+        self.shutdown_request(request)
 
-    def process_request_thread(self, request: socket.socket, client_address: object) -> None:
+    def process_request_thread(self, request: _Request, client_address: object) -> None:
         try:
             super().process_request_thread(request, client_address)
         finally:
@@ -104,7 +111,7 @@ class BoundedThreadingMixIn(socketserver.ThreadingMixIn):
     def server_close(self) -> None:
         for request in list(getattr(self, "_waiting", {})):
             self._drop(request)
-        super().server_close()  # type: ignore[misc]
+        super().server_close()
 
 
 class BackgroundServer:
@@ -123,10 +130,10 @@ class BackgroundServer:
         self.requested_port = port
         self.request_timeout = request_timeout
         self.max_connections = max_connections
-        self._server: socketserver.BaseServer | None = None
+        self._server: socketserver.TCPServer | None = None
         self._thread: threading.Thread | None = None
 
-    def _make_server(self) -> socketserver.BaseServer:
+    def _make_server(self) -> socketserver.TCPServer:
         raise NotImplementedError
 
     @property

@@ -60,7 +60,8 @@ log = logging.getLogger("kpr")
 
 
 class Source(Protocol):
-    description: str
+    @property
+    def description(self) -> str: ...  # read only (ManifestSource's is a property)
 
     def start(self) -> None: ...
     def stop(self) -> None: ...

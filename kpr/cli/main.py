@@ -22,6 +22,7 @@ from kpr.model import NodeContext
 from kpr.node import host
 
 if TYPE_CHECKING:
+    from kpr.agent.loop import Source
     from kpr.serving import BackgroundServer
 
 app = typer.Typer(
@@ -204,6 +205,7 @@ def run(
                 setattr(proxy, name, value)
         node = node_name or proxy.hostname_override or socket.gethostname()
         metrics = Metrics()
+        feed: Source
         if source is not None:
             from kpr.sources.manifests import ManifestSource
 
@@ -254,6 +256,7 @@ def run(
             **({"netns_dirs": tuple(netns_dir)} if netns_dir else {}),
         )
         health = ProxyHealth(proxy.sync_period)
+        server: BackgroundServer
         if proxy.healthz_bind_address:
             server = HealthServer(health, metrics, *split_host_port(proxy.healthz_bind_address))
             _bind(server, "--healthz-bind-address", proxy.healthz_bind_address)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
+from typing import Any
 
 from kpr.agent import runstate
 from kpr.datapath import abi, loader, tc
@@ -243,13 +244,15 @@ def service_objects(
     host_in_state = source.removeprefix("kubernetes:") if source.startswith("kubernetes:") else None
     api = api_client(kubeconfig, master or (None if kubeconfig else host_in_state))
     core, discovery = client.CoreV1Api(api), client.DiscoveryV1Api(api)
-    # list with selectors: the verbs kpr's ClusterRole grants (no get)
-    found = core.list_service_for_all_namespaces(
+    # list with selectors: the verbs kpr's ClusterRole grants (no get); with
+    # _preload_content=False the client returns urllib3's response, whatever its annotations
+    # say, and .data is the body
+    found: Any = core.list_service_for_all_namespaces(
         field_selector=f"metadata.namespace={namespace},metadata.name={name}",
         _preload_content=False,
         _request_timeout=30,
     )
-    listed = discovery.list_endpoint_slice_for_all_namespaces(
+    listed: Any = discovery.list_endpoint_slice_for_all_namespaces(
         label_selector=f"{SERVICE_NAME_LABEL}={name}",
         field_selector=f"metadata.namespace={namespace}",
         _preload_content=False,

@@ -73,6 +73,8 @@ def mismatched_maps(pin_dir: Path, sizes: abi.MapSizes) -> list[tuple[Path, tupl
             info = bpfsys.map_info(fd)
         finally:
             os.close(fd)
+        want: tuple[int, ...]  # all four, or the first three (below)
+        have: tuple[int, ...]
         want = (spec.map_type, spec.key_size, spec.value_size, sizes.max_entries(spec))
         have = (info.map_type, info.key_size, info.value_size, info.max_entries)
         if spec.map_type == abi.BPF_MAP_TYPE_PERCPU_ARRAY:

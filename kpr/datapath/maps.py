@@ -37,7 +37,8 @@ class ServiceEntry(NamedTuple):
     """struct kpr_service (a master entry, the value of kpr_services4/6, whose key is the
     frontend), decoded: its fields in its order (abi.SERVICE_VALUE's values)."""
 
-    count: int = 0
+    # struct kpr_service's name, kept; it hides tuple.count (a method nothing calls on these)
+    count: int = 0  # type: ignore[assignment]
     service_id: int = 0
     flags: int = 0
     affinity_timeout: int = 0

@@ -91,7 +91,8 @@ class Master(NamedTuple):  # (a frozen dataclass builds slower, 10,000s of times
     in C order (backend_id is 0 in a master)."""
 
     frontend: Frontend
-    count: int
+    # struct kpr_service's name, kept; it hides tuple.count (a method nothing calls on these)
+    count: int  # type: ignore[assignment]
     service_id: int
     flags: int = 0
     affinity_timeout: int = 0
@@ -348,5 +349,6 @@ def apply_plan(programmed: ProgrammedState, steps: Plan) -> None:
                 bisect.insort(programmed.free_service_ids, sid)
     for bid in steps.backend_deletes:
         backend = programmed.backends.pop(bid, None)
-        programmed.backend_index.pop(backend, None)
+        if backend is not None:
+            programmed.backend_index.pop(backend, None)
         programmed.refs.pop(bid, None)

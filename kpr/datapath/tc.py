@@ -329,8 +329,10 @@ def write_devices(
     family is not masqueraded), and optionally abi.DEVICE_F_* flags. `target`: the
     pin directory, or the opened map."""
     spec = abi.MAPS["kpr_devices"]
-    owned = not isinstance(target, bpfsys.PinnedMap)
-    table = bpfsys.PinnedMap.open(target / spec.pin, spec.key, spec.value) if owned else target
+    if isinstance(target, bpfsys.PinnedMap):
+        table, owned = target, False
+    else:
+        table, owned = bpfsys.PinnedMap.open(target / spec.pin, spec.key, spec.value), True
     try:
         for ifindex, (ipv4, ipv6, *flags) in devices.items():
             value = abi.DEVICE_FLAGS.pack(_packed(ipv4, 4), _packed(ipv6, 6), sum(flags))
