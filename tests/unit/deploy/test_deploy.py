@@ -701,6 +701,8 @@ def test_the_package_carries_its_bpf_programs_and_leaves_the_lab_out(tmp_path):
     assert {"kpr.h", "sock_lb.c", "nodeport.c"} <= set(programs)
     assert {f"kpr/bpf/{name}" for name in programs} <= names
     assert "kpr/agent/loop.py" in names and "kpr/lab/kube/build.py" in names
+    # the lab's and the bench's C tools, compiled from the installed package on first use
+    assert {"kpr/lab/connect_latency.c", "kpr/bench/loadgen.c"} <= names
     plotting = [r for r in requires if "matplotlib" in r]
     assert plotting and all("extra ==" in r for r in plotting), requires
 
