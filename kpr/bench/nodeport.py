@@ -35,7 +35,7 @@ from pathlib import Path
 
 from kpr.agent import runstate
 from kpr.bench import kubeproxy_rules as rules
-from kpr.bench.run import build_loadgen
+from kpr.bench.lab import build_loadgen
 from kpr.lab.cluster import Cluster
 
 NODE_PORT = 30090

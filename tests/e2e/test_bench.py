@@ -15,9 +15,13 @@ from pathlib import Path
 
 import pytest
 
+from kpr.bench import config, measure, render
 from kpr.bench import kubeproxy_rules as rules
-from kpr.bench import run as bench
 from kpr.bench.kubeproxy_rules import ServicePort
+from kpr.bench.modes.nat import Iptables
+from kpr.bench.plot import write_plot
+from kpr.bench.report import merged
+from kpr.bench.services import build_services, changed_service
 from tests.support.paths import REPO
 
 GOLDEN = Path(__file__).with_name("golden")
@@ -254,23 +258,23 @@ def test_bad_input_is_one_clear_line(args, message):
 
 
 def test_a_missing_tool_skips_its_mode_with_the_reason():
-    mode = bench.Iptables("iptables-legacy", "no-such-iptables-restore", "no-such-iptables")
+    mode = Iptables("iptables-legacy", "no-such-iptables-restore", "no-such-iptables")
     assert mode.missing() == "no-such-iptables-restore not installed"
     report = {
         "results": [
             {"services": 3, "mode": "iptables-legacy", "skipped": mode.missing(), "summary": {}}
         ]
     }
-    assert "skipped: no-such-iptables-restore not installed" in bench.render_table(report)
+    assert "skipped: no-such-iptables-restore not installed" in render.render_table(report)
 
 
 def test_services_spread_real_ones_through_the_list():
-    services = bench.build_services(1000, 3, ["10.244.1.11", "10.244.1.12", "10.244.1.13"])
-    assert len(services.real) == bench.REAL_SERVICES
+    services = build_services(1000, 3, ["10.244.1.11", "10.244.1.12", "10.244.1.13"])
+    assert len(services.real) == config.REAL_SERVICES
     assert services.real[0] < 100 and services.real[-1] > 900  # a linear scan meets every depth
-    assert len(services.ports) == 1000 + 2 * bench.REAL_SERVICES  # 3 ports on real services
-    changed = bench.changed_service(services, 3)
-    assert all(IPv4Address(sp.endpoints[0][0]) in bench.FAKE_NET for sp in changed.values())
+    assert len(services.ports) == 1000 + 2 * config.REAL_SERVICES  # 3 ports on real services
+    changed = changed_service(services, 3)
+    assert all(IPv4Address(sp.endpoints[0][0]) in config.FAKE_NET for sp in changed.values())
 
 
 def test_small_bench_every_mode_carries_connections(tmp_path):
@@ -314,7 +318,7 @@ def test_small_bench_every_mode_carries_connections(tmp_path):
     assert bench_state_files() <= state_files_before  # kpr's run-state files cleaned up too
     report = json.loads(out.read_text())
     assert plot.stat().st_size > 10_000
-    assert {e["mode"] for e in report["results"]} == set(bench.MODES)
+    assert {e["mode"] for e in report["results"]} == set(config.MODES)
     for line in ("direct", "iptables", "nftables", "kpr"):
         assert any(row.split()[1:2] == [line] for row in done.stdout.splitlines()), done.stdout
     pods = {"0", "1"}  # the load tool's servers answer with their pod's index
@@ -323,7 +327,7 @@ def test_small_bench_every_mode_carries_connections(tmp_path):
         if entry["skipped"]:
             # only a tool the machine lacks may be skipped, never kpr or direct
             assert entry["mode"] not in ("direct", "kpr"), entry["skipped"]
-            if entry["mode"] in bench.API_MODES:
+            if entry["mode"] in config.API_MODES:
                 assert not go and "Kubernetes build" in entry["skipped"], entry["skipped"]
             else:
                 assert "not installed" in entry["skipped"], entry["skipped"]
@@ -339,7 +343,7 @@ def test_small_bench_every_mode_carries_connections(tmp_path):
             assert summary["cleaned_up"] is True  # the ClusterIP leads nowhere after clean-up
             for key in ("connect_p50_us_ratio", "program_s", "change_s"):
                 assert summary[key] > 0
-        if entry["mode"] in bench.API_MODES:
+        if entry["mode"] in config.API_MODES:
             # fed by the API server: programmed, every Service answered, each change seen
             assert summary["every_service_answered"] is True, entry
             assert summary["proxy_first_sync_s"] > 0
@@ -353,7 +357,7 @@ def test_small_bench_every_mode_carries_connections(tmp_path):
             assert summary["agent_rss_mb"] > 0
         if entry["mode"] in ("kpr", "kpr-api"):
             for sample in entry["samples"]:  # direct alternated with kpr, block by block
-                assert sample["blocks"] == sample["direct"]["blocks"] == bench.PAIRED_BLOCKS
+                assert sample["blocks"] == sample["direct"]["blocks"] == measure.PAIRED_BLOCKS
                 assert sample["direct"]["connect_ok"] == sample["connect_ok"] == 200
                 assert sample["connect_p50_us_ratio"] > 0
 
@@ -390,7 +394,7 @@ def test_node_port_bench_carries_connections_in_every_mode():
 
 
 def test_the_api_fed_modes_read_the_proxy_metric_and_rank_each_column():
-    from kpr.bench import api
+    from kpr.bench.modes import process
 
     text = (
         "# TYPE kubeproxy_sync_proxy_rules_duration_seconds histogram\n"
@@ -399,8 +403,8 @@ def test_the_api_fed_modes_read_the_proxy_metric_and_rank_each_column():
         "kubeproxy_sync_proxy_rules_duration_seconds_count 2\n"
         "kubeproxy_sync_full_proxy_rules_duration_seconds_sum 9\n"
     )
-    assert api.sync_metric(text) == {"count": 2.0, "sum": 1.5}
-    assert api.quantiles([0.3, 0.1, 0.2]) == {"count": 3, "p50": 0.2, "p99": 0.3, "max": 0.3}
+    assert process.sync_metric(text) == {"count": 2.0, "sum": 1.5}
+    assert process.quantiles([0.3, 0.1, 0.2]) == {"count": 3, "p50": 0.2, "p99": 0.3, "max": 0.3}
 
     def entry(mode: str, **summary: float) -> dict:
         return {"services": 1000, "mode": mode, "skipped": None, "summary": summary}
@@ -414,31 +418,31 @@ def test_the_api_fed_modes_read_the_proxy_metric_and_rank_each_column():
         {"services": 1000, "mode": "kube-proxy-nftables", "skipped": "nft not found",
          "summary": {}},
     ]}  # fmt: skip
-    rows = {e["mode"]: dict(zip([c[1] for c in bench.API_COLUMNS], cells, strict=True))
-            for e, cells in bench.api_rows(report)}  # fmt: skip
+    rows = {e["mode"]: dict(zip([c[1] for c in render.API_COLUMNS], cells, strict=True))
+            for e, cells in render.api_rows(report)}  # fmt: skip
     assert rows["kpr-api"]["connect_p50_us"] == ("11.0 ×1.01", True)  # ranked by its ratio
     assert rows["kpr-api"]["program_s"] == ("0.50", True)
     assert rows["kube-proxy-iptables"]["idle_cpu"] == ("20.00", True)
     assert not rows["direct"]["connect_p50_us"][1]  # the limit, never a winner
-    markdown = bench.render_api_markdown(report)
+    markdown = render.render_api_markdown(report)
     assert "| 1,000 | kpr-api | **11.0 ×1.01** |" in markdown
     assert "skipped: nft not found" in markdown
 
 
 def test_the_api_fed_modes_sample_services_across_the_list():
-    from kpr.bench import api
+    from kpr.bench.modes import api
 
-    services = bench.build_services(30000, 2, ["10.244.1.11", "10.244.1.12"])
+    services = build_services(30000, 2, ["10.244.1.11", "10.244.1.12"])
     targets = api._ready_targets(services)
     pairs = list(zip(targets[::2], targets[1::2], strict=True))
     assert len(pairs) <= 64  # the load tool's limit
-    assert pairs[0] == ("10.96.0.16", "80") and pairs[-1] == (api.CHANGE_VIP, "81")
-    assert pairs[-2] == (str(bench.VIP_NET[bench.VIP_FIRST + 29999]), "80")  # the last one
+    assert pairs[0] == ("10.96.0.16", "80") and pairs[-1] == (config.CHANGE_VIP, "81")
+    assert pairs[-2] == (str(config.VIP_NET[config.VIP_FIRST + 29999]), "80")  # the last one
     for index in services.real:  # every pod-backed Service is among them
-        assert (str(bench.VIP_NET[bench.VIP_FIRST + index]), "80") in pairs
-    with pytest.raises(bench.BenchError, match="API-fed modes hold at most"):
-        bench.BenchConfig(sizes=[api.MAX_SERVICES + 1], modes=["kpr-api"]).validate()
-    bench.BenchConfig(sizes=[api.MAX_SERVICES + 1], modes=["kpr"]).validate()
+        assert (str(config.VIP_NET[config.VIP_FIRST + index]), "80") in pairs
+    with pytest.raises(config.BenchError, match="API-fed modes hold at most"):
+        config.BenchConfig(sizes=[config.API_MAX_SERVICES + 1], modes=["kpr-api"]).validate()
+    config.BenchConfig(sizes=[config.API_MAX_SERVICES + 1], modes=["kpr"]).validate()
 
 
 def test_runs_at_different_sizes_make_one_table_and_plot(tmp_path):
@@ -450,11 +454,11 @@ def test_runs_at_different_sizes_make_one_table_and_plot(tmp_path):
                   "config": {"endpoints": 10}, "results": [entry]}  # fmt: skip
         runs.append(tmp_path / f"{size}.json")
         runs[-1].write_text(json.dumps(report))
-    report = bench.merged(runs)
+    report = merged(runs)
     assert [e["services"] for e in report["results"]] == [1000, 30000]
     assert [r["command"] for r in report["runs"]] == [
         "kpr bench --services 1000", "kpr bench --services 30000"]  # fmt: skip
-    markdown = bench.render_api_markdown(report)
+    markdown = render.render_api_markdown(report)
     assert "| 1,000 | kpr-api |" in markdown and "| 30,000 | kpr-api |" in markdown
-    bench.write_plot(report, tmp_path / "plot.png")
+    write_plot(report, tmp_path / "plot.png")
     assert (tmp_path / "plot.png").stat().st_size > 10_000
