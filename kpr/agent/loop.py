@@ -43,6 +43,7 @@ from kpr.model import (
     Frontend,
     NodeContext,
     Problem,
+    ServiceName,
     Snapshot,
     Translation,
 )
@@ -78,6 +79,11 @@ class Source(Protocol):
 
     def pending(self) -> tuple[int, int]:
         """Service and EndpointSlice changes not polled yet."""
+
+    @property
+    def synced_at(self) -> float | None:
+        """When the source first held every object, wall clock (for `kpr status`: how long
+        the first sync took after it); None: not yet, or no list to time."""
 
 
 class Observer(Protocol):
@@ -136,6 +142,17 @@ class SyncResult:
     left_out_why: str = ""
 
 
+@dataclass
+class Unsaved:
+    """What the run state file has yet to record of a sync (runstate.RunState.record)."""
+
+    failed: set[Frontend]  # frontends whose writes failed
+    problems: list[Problem]
+    synced_at: float  # wall clock
+    left_out: dict[Frontend, ServiceName]  # they do not fit the maps (their Service)
+    left_out_why: str
+
+
 def _limit_malloc_arenas() -> None:
     """One glibc arena per thread (the watchers) scatters freed memory over many
     heaps that are never given back; two are plenty for this workload."""
@@ -178,7 +195,7 @@ class Agent:
         self.last_full = 0.0
         self.last_sync = 0.0
         self.node_deleting = False
-        self._unsaved: tuple | None = None  # a sync not yet in the run state file
+        self._unsaved: Unsaved | None = None  # a sync not yet in the run state file
         self._saved_at = 0.0
         # the one background thread: run state writes, UDP socket termination, malloc_trim
         self.worker = Worker()
@@ -419,19 +436,15 @@ class Agent:
         # NodePorts: the external scope, and 127.0.0.1 at the socket (localhostNodePorts)
         if touched is None or any(f.scope == EXTERNAL or f.address.is_loopback for f in touched):
             self._sync_node_ports()
-        listed = getattr(self.source, "synced_at", None)
+        listed = self.source.synced_at
         if self.state.first_sync_after_list is None and listed:
             self.state.first_sync_after_list = time.time() - listed
         left_out, left_out_why = programmer.left_out, programmer.left_out_why
         if full or written.writes or problems_changed:
             # serialising the whole desired state grows with the Services: on
             # the partial path it is left to the run loop, once things are quiet
-            self._unsaved = (
-                written.failed,
-                problems,
-                time.time(),
-                dict(left_out),
-                left_out_why,
+            self._unsaved = Unsaved(
+                written.failed, problems, time.time(), dict(left_out), left_out_why
             )
             if full:
                 self._save_state()
@@ -588,7 +601,14 @@ class Agent:
         def write() -> None:
             with self._state_lock:
                 if unsaved is not None:
-                    self.state.record(desired, *unsaved)
+                    self.state.record(
+                        desired,
+                        unsaved.failed,
+                        unsaved.problems,
+                        unsaved.synced_at,
+                        unsaved.left_out,
+                        unsaved.left_out_why,
+                    )
                 self.state.watches = watches
                 self.state.node = node
                 self.state.save()

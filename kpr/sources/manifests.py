@@ -95,6 +95,11 @@ class ManifestSource:
         """Changes are read at the poll: none wait in between."""
         return 0, 0
 
+    @property
+    def synced_at(self) -> float | None:
+        """No list to time: the directory is read whole at the first poll."""
+        return None
+
     def poll(self) -> Snapshot | None:
         """The whole state on the first call (and after `resync`), then what changed: the
         Services whose objects changed, and every problem; None when no file changed."""
