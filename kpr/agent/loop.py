@@ -28,6 +28,7 @@ from typing import Protocol
 
 from kpr import __version__
 from kpr.agent import conflicts, runstate
+from kpr.agent.attachments import Attachments
 from kpr.agent.programmer import Programmer
 from kpr.agent.runner import Kind, Ran, SyncRunner
 from kpr.agent.stale_udp import StaleUdp, udp_serving
@@ -187,7 +188,6 @@ class Agent:
         self.programmer: Programmer | None = None  # made by start(), with the maps
         self.stale_udp: StaleUdp | None = None  # made by start(), with the maps
         self.cgroup: Path | None = None
-        self.repairs = 0  # attachments put back
         self.node = config.node
         self.store = DesiredState()  # every Service's translation, merged
         self.source_problems: list[Problem] = []
@@ -200,12 +200,14 @@ class Agent:
         # the one background thread: run state writes, UDP socket termination, malloc_trim
         self.worker = Worker()
         self._state_lock = threading.Lock()
-        self._attached = False
         self._previous: runstate.RunState | None = None
         self.kernel_headers: host.KernelHeaders | None = None  # chosen by start()
         self._removed = False  # by `kpr cleanup --force`: programming nothing more
         self._local_endpoints: set | None = None  # as written to kpr_local_endpoints
-        self.devices = DeviceChoice(config.devices, config.reply_devices)
+        # pins, the cgroup hooks and the devices' TC programs
+        self.attachments = Attachments(
+            config.pin_dir, DeviceChoice(config.devices, config.reply_devices)
+        )
         self.device_watch: DeviceWatch | None = None
         self.node_addresses: tuple = ()  # the Node's InternalIPs, from the source
         # scheduling (the runner, the run state's writes) is on this clock; reported times
@@ -217,6 +219,11 @@ class Agent:
     def desired(self) -> Translation:
         """The desired state of the datapath, all Services merged."""
         return self.store.translation
+
+    @property
+    def devices(self) -> DeviceChoice:
+        """Where the TC programs serve frontends, and where they are for replies only."""
+        return self.attachments.devices
 
     @property
     def programmed(self) -> ProgrammedState:
@@ -231,7 +238,7 @@ class Agent:
         _limit_malloc_arenas()
         cfg = self.config
         cgroup = host.require_cgroup2_dir(cfg.cgroup or host.cgroup2_root())
-        self.cgroup = cgroup
+        self.cgroup = self.attachments.cgroup = cgroup
         host.ensure_bpffs(cfg.pin_dir)
         cfg.pin_dir.chmod(0o700)  # an existing directory too: the pins are root's alone
         self._previous = runstate.load(cfg.pin_dir)
@@ -254,7 +261,7 @@ class Agent:
             assert cfg.device_spec is not None
             # listening before the devices are read again: no change between is missed
             self.device_watch = DeviceWatch()
-            self.devices = choose_devices(cfg.device_spec, strict=False)
+            self.attachments.devices = choose_devices(cfg.device_spec, strict=False)
         # the address a remote backend sees for masqueraded flows, before any TC program runs
         tc.write_devices(cfg.pin_dir, tc.device_entries(self.devices))
         self.maps = BpfMaps(cfg.pin_dir)
@@ -294,17 +301,6 @@ class Agent:
         }
         self.state.node_port_addresses = [str(a) for a in self.node.node_port_addresses]
 
-    def _attach_devices(self, names: list[str]) -> None:
-        """The TC programs on these devices: a --devices device must take them; a device
-        for replies that cannot (another tool's `ingress` qdisc) is reported and skipped."""
-        serve = {d.name for d in self.devices.serve}
-        tc.attach(self.config.pin_dir, [n for n in names if n in serve])
-        for name in (n for n in names if n not in serve):
-            try:
-                tc.attach(self.config.pin_dir, [name])
-            except host.SetupError as err:
-                log.warning("replies of masqueraded flows through %s: %s", name, err)
-
     def follow_devices(self) -> bool:
         """Read the devices again (after a netlink event, or the Node's InternalIPs
         changed): kpr_devices, the TC attachments and the NodePort addresses follow.
@@ -315,15 +311,7 @@ class Agent:
         choice = choose_devices(cfg.device_spec, self.node_addresses, strict=False)
         if choice == self.devices:
             return False
-        before, self.devices = self.devices, choice
-        # the flags and addresses first: a device new to the program must not serve
-        # frontends for a moment as a --devices device
-        tc.write_devices(cfg.pin_dir, tc.device_entries(choice))
-        if self._attached:
-            self._attach_devices([n for n in choice.names if n not in before.names])
-            gone = [n for n in before.names if n not in choice.names]
-            if gone:
-                tc.detach(gone)
+        self.attachments.change_devices(choice)
         addresses = node_port_addresses(list(choice.serve), cfg.node_port_cidrs)
         if addresses != self.node.node_port_addresses:
             self.node = dataclasses.replace(self.node, node_port_addresses=addresses)
@@ -356,16 +344,8 @@ class Agent:
         """Attach the new programs once the maps hold the first sync. Until then the
         previous run's programs keep serving — also when they use maps of an older
         layout, whose pins go only now: an upgrade has no moment without service."""
-        cfg = self.config
-        assert self.cgroup is not None
-        loader.attach_pinned(cfg.pin_dir, self.cgroup)
-        previous = self._previous
-        if previous and Path(previous.cgroup) != self.cgroup:
-            moved = loader.detach(Path(previous.cgroup))
-            log.info("detached %d programs from the previous cgroup %s", moved, previous.cgroup)
-        names = self.devices.names
-        if names:
-            self._attach_devices(names)
+        self.attachments.attach(self._previous)
+        if self.devices.names:
             log.info(
                 "TC programs on %s, and for the replies of masqueraded flows on %s; "
                 "NodePorts answer on %s",
@@ -375,15 +355,6 @@ class Agent:
             )
         if self.device_watch is not None:
             self.device_watch.start()
-        earlier = {**previous.devices, **previous.reply_devices} if previous else {}
-        dropped = [n for n in earlier if n not in names]
-        if dropped:
-            log.info("TC programs taken off %d devices no longer configured", tc.detach(dropped))
-        removed = loader.remove_other_versions(cfg.pin_dir)
-        if removed:
-            log.info("unpinned %d maps and programs of another kpr version", len(removed))
-        self._attached = True
-        log.info("attached to cgroup %s", self.cgroup)
 
     # --- translation ------------------------------------------------------------
 
@@ -418,8 +389,8 @@ class Agent:
         drift = pins = attachments = 0
         fill: dict[str, tuple[int, int]] | None = None
         if full:
-            pins = self._repair_pins()
-            attachments = self._repair_attachments()
+            pins = self.attachments.repair_pins(programmer.maps)
+            attachments = self.attachments.repair()
             drift = programmer.reread()  # what was written against what the maps hold
             touched = None
         problems = self.source_problems + self.desired.problems
@@ -429,7 +400,7 @@ class Agent:
             # before the backends: a flow to a new local one must not be masqueraded
             self._sync_local_endpoints(reread=full)
         written = programmer.write(self.desired, touched)
-        if not self._attached:
+        if not self.attachments.attached:
             self._attach()
         # UDP flows and connected sockets to backends that no longer serve move on
         self.stale_udp.synced(udp_before, programmer.programmed, touched)
@@ -539,49 +510,6 @@ class Agent:
         self.maps.sync_node_ports(node_ports)
         if self.health_checks is not None:
             self.health_problems = self.health_checks.update(self.desired.health_checks)
-
-    def _repair_pins(self) -> int:
-        """Pins removed behind kpr's back (`rm -r /sys/fs/bpf/kpr`) are put back: the maps
-        from the agent's open descriptors, the programs from what is attached. Without
-        them `kpr status` sees nothing and a restart would start from empty maps. How
-        many were put back."""
-        if not self._attached or self.maps is None or self.cgroup is None:
-            return 0
-        pin_dir = self.config.pin_dir
-        restored = self.maps.repin() + loader.repin_programs(pin_dir, self.cgroup)
-        if self.devices.serve:
-            restored += tc.repin(pin_dir, self.devices.names)
-        if restored:
-            log.warning("pins removed behind kpr's back, pinned again: %s", ", ".join(restored))
-            self.repairs += len(restored)
-        return len(restored)
-
-    def _repair_attachments(self) -> int:
-        """A hook detached behind kpr's back (bpftool cgroup detach, a cleanup script)
-        is attached again; the pinned programs are reused, nothing is compiled. How many
-        hooks and TC filters were attached again."""
-        if self.cgroup is None or not self._attached:
-            return 0
-        repaired = 0
-        missing = [
-            h for h, ok in loader.attached_hooks(self.cgroup, self.config.pin_dir).items() if not ok
-        ]
-        if missing:
-            log.warning(
-                "programs detached behind kpr's back: %s; attaching them again", ", ".join(missing)
-            )
-            loader.reattach(self.config.pin_dir, self.cgroup, missing)
-            self.repairs += len(missing)
-            repaired += len(missing)
-        names = self.devices.names
-        if names:
-            gone = [n for n, ok in tc.attached(names, self.config.pin_dir).items() if not ok]
-            if gone:
-                log.warning("TC programs gone from %s; attaching them again", ", ".join(gone))
-                self._attach_devices(gone)
-                self.repairs += len(gone)
-                repaired += len(gone)
-        return repaired
 
     def wait_saved(self) -> None:
         """Wait for a run-state write in the background to finish (before removing the
