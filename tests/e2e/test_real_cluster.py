@@ -200,6 +200,156 @@ def test_a_node_port_answers_on_both_nodes_from_outside_and_from_a_pod(cluster, 
         assert inside in ("web-node-1", "web-node-2")
 
 
+# UDP on both ports a Service may target: the answer names the pod and the port.
+UDP_SERVER = """
+import socket, sys, threading
+def serve(port):
+    sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    sock.bind(("0.0.0.0", port))
+    while True:
+        _, peer = sock.recvfrom(256)
+        sock.sendto(f"{sys.argv[1]}:{port}".encode(), peer)
+for port in (8080, 9090):
+    threading.Thread(target=serve, args=(port,), daemon=True).start()
+threading.Event().wait()
+"""
+
+# One UDP flow that keeps its source port (a DNS forwarder's, a game client's): a datagram
+# every 0.2 s, each answer (or error) on a line; a socket kpr destroys is made again.
+UDP_CLIENT = """
+import errno, socket, sys, time
+host, port, source_port = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+sock = None
+while True:
+    try:
+        if sock is None:
+            sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+            sock.settimeout(0.5)
+            sock.bind(("0.0.0.0", source_port))
+            sock.connect((host, port))
+        sock.send(b"x")
+        answer = sock.recv(256).decode()
+    except OSError as exc:
+        answer = errno.errorcode.get(exc.errno, "ETIMEDOUT") if exc.errno else "ETIMEDOUT"
+        if not isinstance(exc, TimeoutError):
+            sock.close()
+            sock = None
+    print(answer, flush=True)
+    time.sleep(0.2)
+"""
+
+
+def python_pod(cluster, name: str, node: str, script: str, *args: str, app: str) -> dict:
+    """A pod running `script` with kpr's image (it has Python), on `node`."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": name, "labels": {"app": app}},
+        "spec": {
+            "nodeName": node,
+            # PID 1 ignores SIGTERM: a deleted pod answers for these seconds, terminating
+            "terminationGracePeriodSeconds": 5,
+            "containers": [
+                {
+                    "name": "main",
+                    "image": cluster.kpr_image,
+                    "command": ["python3", "-c", script, *args],
+                }
+            ],
+        },
+    }
+
+
+def test_udp_flows_through_a_node_port_follow_the_backends(cluster, tmp_path):
+    """A UDP client that keeps its source port, sending to node-1's NodePort from a pod on
+    node-1 (the socket hooks), a pod on node-2 and outside the nodes (node-1's TC program):
+    when its backend pod is replaced, and when the Service's targetPort changes, every flow
+    reaches the new backend, as kube-proxy's conntrack clean-up makes it."""
+    node1, node2 = cluster.members
+    service = {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": {"name": "udp-flow"},
+        "spec": {
+            "type": "NodePort",
+            "selector": {"app": "udp-flow"},
+            "ports": [{"name": "dns", "port": 53, "protocol": "UDP", "targetPort": 8080}],
+        },
+    }
+    old = python_pod(cluster, "udp-old", node1.name, UDP_SERVER, "udp-old", app="udp-flow")
+    new = python_pod(cluster, "udp-new", node2.name, UDP_SERVER, "udp-new", app="udp-flow")
+    cluster.kubectl_apply([service, old])
+    node_port = str(json.loads(cluster.kubectl("get", "service", "udp-flow", "-o", "json"))
+                    ["spec"]["ports"][0]["nodePort"])  # fmt: skip
+    # both to node-1's address: from its own pod through the socket hooks, from node-2's
+    # pod through node-1's TC program
+    clients = {
+        f"pod on {node.name}": python_pod(
+            cluster, f"udp-client-{index}", node.name, UDP_CLIENT, node1.ip, node_port,
+            str(41000 + index), app="udp-client",
+        )
+        for index, node in enumerate((node1, node2), start=1)
+    }  # fmt: skip
+    outside_log = tmp_path / "outside.log"
+    outside = None
+    try:
+        cluster.kubectl_apply(list(clients.values()))
+        cluster.kubectl("wait", "--for=condition=Ready", "pod", "udp-old", "udp-client-1",
+                        "udp-client-2", "--timeout=120s", timeout=130)  # fmt: skip
+        with outside_log.open("w") as log:
+            outside = subprocess.Popen(
+                ["nsenter", f"--net={cluster.plane.netns_path}", "python3", "-c", UDP_CLIENT,
+                 node1.ip, node_port, "41003"],
+                stdout=log, stderr=subprocess.STDOUT,
+            )  # fmt: skip
+
+        def last_answers() -> dict[str, list[str]]:
+            seen = {
+                name: last_lines(cluster, pod["metadata"]["name"]) for name, pod in clients.items()
+            }
+            seen["outside the nodes"] = outside_log.read_text().split()[-5:]
+            return seen
+
+        def all_reach(answer: str, timeout: float) -> float:
+            began = time.monotonic()
+            deadline = began + timeout
+            while True:
+                seen = last_answers()
+                if all(lines == [answer] * 5 for lines in seen.values()):
+                    return time.monotonic() - began
+                if time.monotonic() > deadline:
+                    raise AssertionError(
+                        f"not every flow reaches {answer} in {timeout:.0f}s: {seen}"
+                    )
+                time.sleep(0.5)
+
+        all_reach("udp-old:8080", 60)
+        cluster.kubectl_apply([new])
+        cluster.kubectl("wait", "--for=condition=Ready", "pod", "udp-new", "--timeout=120s",
+                        timeout=130)  # fmt: skip
+        time.sleep(3)  # the new endpoint programmed: a flow to a surviving backend stays
+        assert all(lines == ["udp-old:8080"] * 5 for lines in last_answers().values())
+        cluster.kubectl("delete", "pod", "udp-old", "--wait=false")
+        replaced = all_reach("udp-new:8080", 30)
+        service["spec"]["ports"][0]["targetPort"] = 9090
+        cluster.kubectl_apply([service])
+        retargeted = all_reach("udp-new:9090", 30)
+        print(f"UDP flows moved {replaced:.1f} s after the pod's deletion, "
+              f"{retargeted:.1f} s after the targetPort change")  # fmt: skip
+    finally:
+        if outside is not None:
+            outside.kill()
+            outside.wait()
+        cluster.kubectl("delete", "service", "udp-flow", "--ignore-not-found", "--wait=false")
+        cluster.kubectl("delete", "pod", "udp-old", "udp-new", "udp-client-1", "udp-client-2",
+                        "--ignore-not-found", "--wait=false")  # fmt: skip
+
+
+def last_lines(cluster, pod: str) -> list[str]:
+    """A client pod's last five answers."""
+    return cluster.kubectl("logs", pod, "--tail=5").split()
+
+
 @pytest.mark.skipif(os.environ.get("KPR_SKIP_CONFORMANCE") == "1", reason="KPR_SKIP_CONFORMANCE=1")
 def test_upstream_sig_network_conformance_service_tests_pass(cluster, tmp_path):
     """The 17 `[sig-network] Services ... [Conformance]` tests of the e2e binary from the same
