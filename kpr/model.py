@@ -124,7 +124,7 @@ def by_key(item: Frontend | Backend) -> tuple:
     return item.sort_key()
 
 
-# Which clients a frontend serves; mirrors KPR_SCOPE_* in kpr/bpf/kpr.h.
+# Which clients a frontend serves; mirrors KPR_SCOPE_* in bpf/kpr.h.
 SOCKET = 0  # processes and pods on this node, at the socket (cgroup hooks)
 EXTERNAL = 1  # packets arriving on the node's devices (TC)
 

@@ -1,8 +1,8 @@
 """The kernel/user ABI as Python sees it: constants, map sizes, struct layouts, map names.
 
 The constants and map sizes are defined here only: `cflags()` and `MapSizes.cflags()`
-hand them to the C compile as -D flags (kpr/bpf/kpr.h defines none of them). The
-struct layouts are written twice, as C in kpr/bpf/kpr.h and as ctypes here;
+hand them to the C compile as -D flags (bpf/kpr.h defines none of them). The
+struct layouts are written twice, as C in bpf/kpr.h and as ctypes here;
 tests/kernel/test_abi.py checks the ctypes layouts against the types BCC compiles, so
 change both together. The `struct` formats used to pack many entries fast are
 computed from the ctypes classes (`layout`), never written by hand.
@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ctypes as ct
 import dataclasses
+import importlib.resources
 import socket
 import struct
 from dataclasses import dataclass
@@ -34,7 +35,9 @@ def pin_version(name: str) -> int | None:
     return None
 
 
-BPF_DIR = Path(__file__).resolve().parents[1] / "bpf"  # package data, installed with kpr
+# the programs' C sources, the package kpr.bpf: bpf/ in a checkout (pyproject.toml maps it,
+# for an editable install too), kpr/bpf/ once installed
+BPF_DIR = Path(str(importlib.resources.files("kpr.bpf")))
 
 PROTOCOL_NUMBERS = {"TCP": socket.IPPROTO_TCP, "UDP": socket.IPPROTO_UDP}
 PROTOCOL_NAMES = {v: k for k, v in PROTOCOL_NUMBERS.items()}
@@ -160,7 +163,7 @@ class Affinity(ct.Structure):
     ]
 
 
-# --- TC datapath (kpr/bpf/nodeport.c) ---
+# --- TC datapath (bpf/nodeport.c) ---
 
 
 class FlowKey(ct.Structure):
@@ -476,7 +479,7 @@ class MapSizes:
 
 
 def constants() -> dict[str, int]:
-    """The constants kpr/bpf/kpr.h and the programs use, by their C names."""
+    """The constants bpf/kpr.h and the programs use, by their C names."""
     out = {
         "KPR_ABI_VERSION": ABI_VERSION,
         "KPR_BLOCK_SLOTS": BLOCK_SLOTS,

@@ -1,4 +1,4 @@
-"""Compile kpr/bpf/sock_lb.c with BCC, pin its maps and programs, attach it to a cgroup.
+"""Compile bpf/sock_lb.c with BCC, pin its maps and programs, attach it to a cgroup.
 
 Attachments use PROG_ATTACH with ALLOW_MULTI, so they outlive the agent
 (services keep working while it is down). A restarted agent attaches its new
@@ -29,7 +29,7 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class Hook:
-    function: str  # in kpr/bpf/sock_lb.c
+    function: str  # in bpf/sock_lb.c
     attach_type: int  # enum bpf_attach_type
     pin: str
 
@@ -164,11 +164,11 @@ def check_pinned_maps(pin_dir: Path, sizes: abi.MapSizes) -> None:
         )
 
 
-LIBRARY = "lb.h"  # kpr/bpf's load-balancing library, shared by both programs
+LIBRARY = "lb.h"  # bpf's load-balancing library, shared by both programs
 
 
 def program_text(source: str) -> str:
-    """kpr/bpf/<source> with kpr/bpf/lb.h pasted where it is included: BCC rewrites map
+    """bpf/<source> with bpf/lb.h pasted where it is included: BCC rewrites map
     calls (`kpr_slots.lookup(...)`) only in the text it compiles, not in its headers.
     `#line` keeps the compiler's messages naming each file and line."""
     path = abi.BPF_DIR / source
@@ -183,8 +183,8 @@ def program_text(source: str) -> str:
 
 
 def compile_and_pin(pin_dir: Path, sizes: abi.MapSizes, source: str = "sock_lb.c"):
-    """Compile a program of kpr/bpf/ (the socket LB by default); BCC creates (or reuses)
-    the pinned maps of kpr/bpf/kpr.h, which every source shares."""
+    """Compile a program of bpf/ (the socket LB by default); BCC creates (or reuses)
+    the pinned maps of bpf/kpr.h, which every source shares."""
     host.require_kernel_headers()
     bcc = host.require_bcc()
     check_pinned_maps(pin_dir, sizes)

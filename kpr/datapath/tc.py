@@ -1,9 +1,9 @@
-"""The TC datapath (kpr/bpf/nodeport.c): compile, pin, attach to the node's devices.
+"""The TC datapath (bpf/nodeport.c): compile, pin, attach to the node's devices.
 
 NodePort, LoadBalancer and external-IP traffic arrives from outside the node, where
 no cgroup socket hook sees it; two SCHED_CLS programs on each node device translate
 it per packet: `kpr_tc_ingress` on the clsact ingress hook, `kpr_tc_egress` on the
-egress hook. They share the pinned maps of kpr/bpf/kpr.h with the socket programs.
+egress hook. They share the pinned maps of bpf/kpr.h with the socket programs.
 
 kpr's filters are `bpf` filters in direct-action mode at priority PRIORITY, handle
 HANDLE, named after their function, so they are told apart from other tools'
@@ -46,7 +46,7 @@ TC_H_CLSACT_EGRESS = 0xFFFFFFF3
 @dataclass(frozen=True)
 class Direction:
     name: str  # "ingress" / "egress"
-    function: str  # in kpr/bpf/nodeport.c; also the filter's name
+    function: str  # in bpf/nodeport.c; also the filter's name
     parent: int  # clsact hook
 
 
@@ -64,7 +64,7 @@ def prog_pin(pin_dir: Path, direction: Direction | str) -> Path:
 
 
 def compile_and_pin(pin_dir: Path, sizes: abi.MapSizes):
-    """Compile kpr/bpf/nodeport.c (BCC creates or reuses the pinned maps), load both
+    """Compile bpf/nodeport.c (BCC creates or reuses the pinned maps), load both
     programs as SCHED_CLS and pin them; returns the BCC module."""
     bpf = loader.compile_and_pin(pin_dir, sizes, source="nodeport.c")
     for direction in DIRECTIONS:

@@ -41,7 +41,7 @@ NETWORK_PROGRAMMING_BUCKETS = (
     + tuple(float(s) for s in range(60, 120, 5))
     + tuple(float(s) for s in range(120, 301, 30))
 )
-# The outcomes the BPF programs count (kpr/bpf/kpr.h's enum kpr_outcome).
+# The outcomes the BPF programs count (bpf/kpr.h's enum kpr_outcome).
 DATAPATH_OUTCOMES = tuple(abi.STAT_NAMES.values())
 
 _KUBE_PROXY = "kubeproxy"

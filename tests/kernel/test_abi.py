@@ -1,4 +1,4 @@
-"""kpr/datapath/abi.py against what BCC compiles from kpr/bpf (the byte-level checks that
+"""kpr/datapath/abi.py against what BCC compiles from bpf (the byte-level checks that
 need no kernel are in tests/unit/datapath/test_abi.py)."""
 
 from __future__ import annotations

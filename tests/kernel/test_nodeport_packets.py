@@ -1,4 +1,4 @@
-"""kpr/bpf/nodeport.c packet by packet: crafted frames through BPF_PROG_TEST_RUN in a
+"""bpf/nodeport.c packet by packet: crafted frames through BPF_PROG_TEST_RUN in a
 throwaway network namespace (tests/support/tc_harness.py), checked with scapy and with
 the checksums a receiver computes.
 
@@ -605,7 +605,7 @@ def test_flows_spread_over_backends_without_affinity(lab):
 
 
 def test_a_small_frontends_slot_block_is_read_before_its_slot_entries(lab):
-    """TC takes a slot as the socket hooks do (kpr/bpf/lb.h): from the frontend's slot
+    """TC takes a slot as the socket hooks do (bpf/lb.h): from the frontend's slot
     block when it has one and the block's entry is not 0, else from kpr_slots."""
     fe = Frontend(h.NODE4, 30080, TCP_P)
     service_id = lab.add_service(fe, [(LOCAL_PODS[0], 8080)])

@@ -1,4 +1,4 @@
-"""A lab for running kpr/bpf/nodeport.c through BPF_PROG_TEST_RUN.
+"""A lab for running bpf/nodeport.c through BPF_PROG_TEST_RUN.
 
 One throwaway network namespace plays the node; nothing is sent anywhere. The
 programs run on crafted frames in that namespace (the test run uses the calling

@@ -49,6 +49,7 @@ KPR_CONTEXT = (
     "pyproject.toml",
     "README.md",
     "kpr",
+    "bpf",
 )
 IGNORED = ("__pycache__",)  # as .dockerignore says
 # Short name -> ImageID in manifest.go, in the order they are built.

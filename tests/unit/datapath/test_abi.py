@@ -1,4 +1,4 @@
-"""kpr/datapath/abi.py must describe the same bytes as kpr/bpf/kpr.h."""
+"""kpr/datapath/abi.py must describe the same bytes as bpf/kpr.h."""
 
 from __future__ import annotations
 

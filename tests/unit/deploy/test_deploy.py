@@ -676,13 +676,15 @@ def test_dockerfile_copies_and_installs_the_package():
 
 def test_the_package_carries_its_bpf_programs_and_leaves_the_lab_out(tmp_path):
     """What the image installs: a wheel of the tree the Dockerfile copies. BCC compiles
-    kpr/bpf/ from the installed package, so the programs must be in it; the lab's plotting
-    dependency is an extra the agent never needs."""
+    bpf/ (kpr/bpf/ once installed) from the installed package, so the programs must be in
+    it; the lab's plotting dependency is an extra the agent never needs."""
     tree = tmp_path / "src"
     tree.mkdir()
     for name in ("pyproject.toml", "README.md"):
         shutil.copy(ROOT / name, tree / name)
-    shutil.copytree(ROOT / "kpr", tree / "kpr", ignore=shutil.ignore_patterns("__pycache__"))
+    skipped = shutil.ignore_patterns("__pycache__")
+    for package in ("kpr", "bpf"):
+        shutil.copytree(ROOT / package, tree / package, ignore=skipped)
     built = subprocess.run(
         [sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(tmp_path), str(tree)],
         capture_output=True, text=True, timeout=600,

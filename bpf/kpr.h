@@ -178,7 +178,7 @@ struct kpr_affinity {
 	__u32 slot;          /* where backend_id was: checked again before reuse */
 };
 
-/* --- TC datapath (kpr/bpf/nodeport.c): NodePort, LoadBalancer, external IPs --- */
+/* --- TC datapath (bpf/nodeport.c): NodePort, LoadBalancer, external IPs --- */
 
 /* One flow's addresses as a packet carries them. Both families share the
  * layout (IPv4 in the first 4 bytes of each address, the rest zero). */
