@@ -154,6 +154,29 @@ class Unsaved:
     left_out_why: str
 
 
+def _log_sync(outcome: SyncResult, left_out: dict[Frontend, ServiceName]) -> None:
+    """A sync that wrote, or left Services out, in one line."""
+    left_out_line = ""
+    if left_out:
+        names = sorted({f"{ns}/{name}" for ns, name in left_out.values()})
+        left_out_line = (
+            f"; {outcome.services_left_out} Services ({outcome.frontends_left_out} "
+            f"frontends) left out, they do not fit the maps "
+            f"({', '.join(names[:3])}{', ...' if len(names) > 3 else ''}): "
+            f"{outcome.left_out_why}"
+        )
+    log.log(
+        logging.WARNING if left_out else logging.INFO,
+        "%s sync: %d frontends programmed, %d map operations in %.3fs%s%s",
+        "full" if outcome.full else "partial",
+        outcome.frontends_programmed,
+        outcome.writes,
+        outcome.seconds,
+        f" (repaired {outcome.drift_repaired} drifted frontends)" if outcome.drift_repaired else "",
+        left_out_line,
+    )
+
+
 def _limit_malloc_arenas() -> None:
     """One glibc arena per thread (the watchers) scatters freed memory over many
     heaps that are never given back; two are plenty for this workload."""
@@ -423,24 +446,7 @@ class Agent:
         self.last_sync = now
         if full:
             self.last_full = now
-            # the state just built lives long: keep the cyclic GC from walking its
-            # hundreds of thousands of objects again and again (pauses of 10s of ms).
-            # Frozen objects are still freed by reference counting when they die;
-            # the objects kpr builds hold no reference cycles.
-            gc.freeze()
-            fill = programmer.fill()
-            for name, (used, size) in fill.items():
-                if used >= abi.MAP_PRESSURE * size:
-                    log.warning(
-                        "map %s is %d%% full (%d of %d entries): raise its size before "
-                        "writes start failing",
-                        name,
-                        100 * used // size,
-                        used,
-                        size,
-                    )
-            # off the sync path: it walks the whole heap (10s of ms at 10,000 Services)
-            self.worker.submit("malloc-trim", _return_free_memory)
+            fill = self._settle(programmer)
         outcome = SyncResult(
             full=full,
             writes=written.writes,
@@ -467,28 +473,33 @@ class Agent:
             left_out_why=left_out_why,
         )
         if written.writes or written.left_out_now:
-            left_out_line = ""
-            if left_out:
-                names = sorted({f"{ns}/{name}" for ns, name in left_out.values()})
-                left_out_line = (
-                    f"; {outcome.services_left_out} Services ({outcome.frontends_left_out} "
-                    f"frontends) left out, they do not fit the maps "
-                    f"({', '.join(names[:3])}{', ...' if len(names) > 3 else ''}): "
-                    f"{left_out_why}"
-                )
-            log.log(
-                logging.WARNING if left_out else logging.INFO,
-                "%s sync: %d frontends programmed, %d map operations in %.3fs%s%s",
-                "full" if full else "partial",
-                outcome.frontends_programmed,
-                written.writes,
-                outcome.seconds,
-                f" (repaired {drift} drifted frontends)" if drift else "",
-                left_out_line,
-            )
+            _log_sync(outcome, left_out)
         for observer in self.observers:
             observer.synced(outcome)
         return outcome
+
+    def _settle(self, programmer: Programmer) -> dict[str, tuple[int, int]]:
+        """After a full sync: the long-lived state kept from the cyclic GC, the maps' fill
+        (warned of before writes fail), freed memory given back; the fill."""
+        # the state just built lives long: keep the cyclic GC from walking its
+        # hundreds of thousands of objects again and again (pauses of 10s of ms).
+        # Frozen objects are still freed by reference counting when they die;
+        # the objects kpr builds hold no reference cycles.
+        gc.freeze()
+        fill = programmer.fill()
+        for name, (used, size) in fill.items():
+            if used >= abi.MAP_PRESSURE * size:
+                log.warning(
+                    "map %s is %d%% full (%d of %d entries): raise its size before "
+                    "writes start failing",
+                    name,
+                    100 * used // size,
+                    used,
+                    size,
+                )
+        # off the sync path: it walks the whole heap (10s of ms at 10,000 Services)
+        self.worker.submit("malloc-trim", _return_free_memory)
+        return fill
 
     def _sync_local_endpoints(self, reread: bool) -> None:
         """Which endpoints the TC path reaches without masquerading: this node's. The map
