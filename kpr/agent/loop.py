@@ -401,6 +401,7 @@ class Agent:
     def _sync(self, snapshot: Snapshot | None, full: bool) -> SyncResult:
         programmer = self.programmer
         assert programmer is not None and self.stale_udp is not None, "start() first"
+        assert self.maps is not None
         began = time.perf_counter()
         if snapshot is not None and snapshot.node_addresses != self.node_addresses:
             # `--devices auto` takes the devices holding them: read the devices again
@@ -412,7 +413,7 @@ class Agent:
         drift = pins = attachments = 0
         fill: dict[str, tuple[int, int]] | None = None
         if full:
-            pins = self.attachments.repair_pins(programmer.maps)
+            pins = self.attachments.repair_pins(self.maps)
             attachments = self.attachments.repair()
             drift = programmer.reread()  # what was written against what the maps hold
             touched = None

@@ -17,7 +17,7 @@ from ipaddress import IPv6Address
 
 from kpr.datapath import abi
 from kpr.datapath.capacity import Fit, fit, plan_fits, without
-from kpr.datapath.maps import BpfMaps, execute, slot_blocks
+from kpr.datapath.maps import Maps, execute, slot_blocks
 from kpr.datapath.plan import ProgrammedState, apply_plan, plan
 from kpr.desired.drift import drift as find_drift
 from kpr.desired.drift import entries
@@ -47,7 +47,7 @@ def _failure_summary(errors: list[str], failed: set[Frontend], limit: int = 3) -
 
 
 class Programmer:
-    def __init__(self, maps: BpfMaps, sizes: abi.MapSizes) -> None:
+    def __init__(self, maps: Maps, sizes: abi.MapSizes) -> None:
         self.maps = maps
         self.sizes = sizes
         self.programmed: ProgrammedState = maps.read()  # adopted from a previous run

@@ -1,0 +1,77 @@
+"""The programmer alone, against in-memory maps: what it writes, what it finds changed
+behind its back, what it leaves out when the maps are too small."""
+
+from __future__ import annotations
+
+import dataclasses
+from ipaddress import ip_address
+
+from kpr.agent.programmer import Programmer
+from kpr.datapath import abi
+from kpr.datapath.maps import MemoryMaps
+from kpr.model import Backend, Frontend, FrontendState, Translation
+
+
+def service(out: Translation, name: str, n: int, backends: int = 2) -> Frontend:
+    frontend = Frontend(ip_address(f"10.96.0.{n}"), 80, "TCP")
+    ends = tuple(Backend(ip_address(f"10.244.{n}.{b}"), 8080) for b in range(1, backends + 1))
+    out.frontends[frontend] = FrontendState(f"default/{name}:http", ends)
+    out.owners[frontend] = ("default", name)
+    return frontend
+
+
+def sizes(capacity: int) -> abi.MapSizes:
+    return abi.MapSizes(**{f.name: capacity for f in dataclasses.fields(abi.MapSizes)})
+
+
+def test_a_write_programs_the_desired_state_and_a_second_writes_nothing():
+    maps = MemoryMaps()
+    programmer = Programmer(maps, sizes(100))
+    desired = Translation()
+    a = service(desired, "a", 1)
+    written = programmer.write(desired, None)
+    assert written.writes > 0 and not written.failed
+    assert maps.read().services[a].slots == programmer.programmed.services[a].slots
+    assert programmer.write(desired, None).writes == 0
+
+
+def test_reread_counts_what_changed_behind_its_back_and_the_next_write_repairs_it():
+    maps = MemoryMaps()
+    programmer = Programmer(maps, sizes(100))
+    desired = Translation()
+    a, b = service(desired, "a", 1), service(desired, "b", 2)
+    programmer.write(desired, None)
+    del maps.services[b]  # as `bpftool map delete` would
+    assert programmer.reread() == 1
+    assert b not in programmer.programmed.services
+    assert programmer.write(desired, None).writes > 0
+    assert {a, b} <= set(maps.read().services)
+    assert programmer.reread() == 0
+
+
+def test_services_that_do_not_fit_are_left_out_whole_and_said_why():
+    maps = MemoryMaps()
+    programmer = Programmer(maps, dataclasses.replace(sizes(100), slots=5))
+    desired = Translation()
+    service(desired, "a", 1, backends=3)
+    b = service(desired, "b", 2, backends=3)  # 6 slots > 5
+    written = programmer.write(desired, None)
+    assert written.left_out_now and not written.failed
+    assert programmer.left_out == {b: ("default", "b")}
+    assert "kpr_slots" in programmer.left_out_why
+    assert b not in maps.read().services
+    # the Service goes: nothing is left out any more
+    del desired.frontends[b], desired.owners[b]
+    written = programmer.write(desired, None)
+    assert not written.left_out_now and programmer.left_out == {}
+    assert programmer.left_out_why == ""
+
+
+def test_failed_writes_are_reported_and_the_maps_read_again():
+    maps = MemoryMaps(capacity=1)  # one entry a map: the second backend cannot be written
+    programmer = Programmer(maps, sizes(100))  # (the fit check believes there is room)
+    desired = Translation()
+    a = service(desired, "a", 1, backends=2)
+    written = programmer.write(desired, None)
+    assert written.failed == {a}
+    assert programmer.programmed.services == maps.read().services
