@@ -7,7 +7,7 @@ from ipaddress import IPv4Address, IPv4Network
 from pathlib import Path
 
 GENERATED_MODES = ("direct", "iptables", "iptables-legacy", "nftables", "kpr")
-# Fed by a real API server (kpr.bench.modes.api): the real kube-proxy, and kpr beside it.
+# Fed by a real API server (bench.modes.api): the real kube-proxy, and kpr beside it.
 API_MODES = ("kube-proxy-iptables", "kube-proxy-nftables", "kpr-api")
 MODES = GENERATED_MODES + API_MODES
 DEFAULT_SIZES = (100, 1000, 10000, 30000)

@@ -1,6 +1,6 @@
 """Control-plane figures against the test API server:
 
-    python -m tests.support.bench_control_plane --services 1000,10000 --endpoints 10 --changes 300
+    python -m bench.control_plane --services 1000,10000 --endpoints 10 --changes 300
 
 For each size: N Services × M endpoints are created in the test API server,
 `kpr run --master ...` starts (attached to a child cgroup of its own, pins of
@@ -28,10 +28,10 @@ import uuid
 from ipaddress import IPv4Address, ip_address
 from pathlib import Path
 
+from bench.scale import bench_endpoint_slice, bench_service
 from kpr.agent import runstate
 from kpr.datapath import abi, loader
 from kpr.datapath.maps import BpfMaps
-from kpr.lab.scale import bench_endpoint_slice, bench_service
 from kpr.node import host
 from tests.support.apiserver import TestApiServer
 

@@ -1,4 +1,4 @@
-"""The bench's lab: a kpr.lab.netns.Lab (a node netns, M pods, a client cgroup) with the load
+"""The bench's lab: a lab.netns.Lab (a node netns, M pods, a client cgroup) with the load
 tool's servers in every pod, and the load tool itself (loadgen.c: servers in the pods, clients
 in the node netns)."""
 
@@ -13,9 +13,9 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from kpr.bench.config import POD_PORTS, VIP_NET
-from kpr.lab.latency import build_c_program
-from kpr.lab.netns import Lab
+from bench.config import POD_PORTS, VIP_NET
+from lab.latency import build_c_program
+from lab.netns import Lab
 
 LOADGEN_SOURCE = Path(__file__).with_name("loadgen.c")
 

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import yaml
 
-from kpr.bench.config import SERVICES_PER_FILE
-from kpr.bench.kubeproxy_rules import ServicePort
+from bench.config import SERVICES_PER_FILE
+from bench.kubeproxy_rules import ServicePort
 
 
 def service_objects(group: list[ServicePort]) -> list[dict]:

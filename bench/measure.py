@@ -1,5 +1,5 @@
 """The measurements. Through a mode's datapath, from the lab's client cgroup: connect latency
-p50/p99 (kpr.lab.latency's C client), short-connection rate (connect, 1-byte request, 1-byte
+p50/p99 (lab.latency's C client), short-connection rate (connect, 1-byte request, 1-byte
 answer, close) and one connection's streaming throughput (the load tool), alone or paired with
 direct at the same moments."""
 
@@ -8,16 +8,16 @@ from __future__ import annotations
 import statistics
 from pathlib import Path
 
-from kpr.bench.config import PROBE_TIMEOUT_MS, BenchConfig
-from kpr.bench.lab import BenchLab, flat
-from kpr.bench.modes.base import DIRECT, Mode
-from kpr.bench.services import ServiceSet
-from kpr.lab.latency import measure
-from kpr.lab.latency import measure_paired as measure_paired_latency
+from bench.config import PROBE_TIMEOUT_MS, BenchConfig
+from bench.lab import BenchLab, flat
+from bench.modes.base import DIRECT, Mode
+from bench.services import ServiceSet
+from lab.latency import measure
+from lab.latency import measure_paired as measure_paired_latency
 
 
 def latency_figures(latency: dict) -> dict:
-    """kpr.lab.latency's connect figures, as the bench reports them."""
+    """lab.latency's connect figures, as the bench reports them."""
     return {
         "connect_p50_us": latency["p50_ns"] / 1000 if latency["p50_ns"] else None,
         "connect_p99_us": latency["p99_ns"] / 1000 if latency["p99_ns"] else None,
@@ -71,7 +71,7 @@ def measure_paired(
     latency jumps between two levels, about 7 and 11 µs, for seconds at a time):
 
     - connect latency: one client process alternating between the two cgroups every
-      LATENCY_BLOCK connects (kpr.lab.latency.measure_paired);
+      LATENCY_BLOCK connects (lab.latency.measure_paired);
     - request rate and stream: PAIRED_BLOCKS blocks each, alternating D M, M D, ...; their
       ratio is the median over pairs of adjacent blocks.
 

@@ -1,9 +1,9 @@
 """NodePort request rate from outside the node: direct vs kube-proxy's iptables rules vs kpr.
 
-    python -m kpr.bench.nodeport [--rounds 5] [--connections 4000] [--services 1,1000]
+    python -m bench.nodeport [--rounds 5] [--connections 4000] [--services 1,1000]
                                  [--json FILE]
 
-A one-node kpr.lab.cluster lab: the external client (its own netns) opens short TCP
+A one-node lab.cluster lab: the external client (its own netns) opens short TCP
 connections (connect, one request byte, one answer byte, RST close: the bench load tool's
 `rr`) to one NodePort Service whose two endpoints are pods on the node. With `--services N`
 the cluster has N-1 more (ClusterIP) Services, programmed in every mode: kube-proxy's
@@ -33,10 +33,10 @@ import time
 import uuid
 from pathlib import Path
 
+from bench import kubeproxy_rules as rules
+from bench.lab import build_loadgen
 from kpr.agent import runstate
-from kpr.bench import kubeproxy_rules as rules
-from kpr.bench.lab import build_loadgen
-from kpr.lab.cluster import Cluster
+from lab.cluster import Cluster
 
 NODE_PORT = 30090
 SERVER_PORT = 9090
@@ -255,11 +255,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     sizes = [int(n) for n in args.services.split(",")]
     if not sizes or min(sizes) < 1 or max(sizes) > 60000:
-        print("kpr.bench.nodeport: --services takes sizes from 1 to 60000", file=sys.stderr)
+        print("bench.nodeport: --services takes sizes from 1 to 60000", file=sys.stderr)
         return 2
     for tool in ("nsenter", "iptables-restore", "cc"):
         if shutil.which(tool) is None:
-            print(f"kpr.bench.nodeport: {tool} is needed", file=sys.stderr)
+            print(f"bench.nodeport: {tool} is needed", file=sys.stderr)
             return 2
     results = []
     for size in sizes:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import re
 
-from kpr.bench.config import API_MODES
+from bench.config import API_MODES
 
 
 def _fmt(value: float | None, digits: int = 1) -> str:

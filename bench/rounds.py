@@ -18,7 +18,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
-from kpr.bench.config import (
+from bench.config import (
     API_MODES,
     CLUSTER_CIDR,
     REAL_SERVICES,
@@ -26,15 +26,15 @@ from kpr.bench.config import (
     BenchConfig,
     ModeFailed,
 )
-from kpr.bench.lab import BenchLab, build_loadgen
-from kpr.bench.manifests import write_manifests
-from kpr.bench.measure import measure_datapath, measure_paired, vip_unreachable
-from kpr.bench.modes import api, api_feed
-from kpr.bench.modes.base import DIRECT, Mode
-from kpr.bench.modes.kpr import Kpr
-from kpr.bench.modes.nat import Iptables, Nftables
-from kpr.bench.report import machine, summarize
-from kpr.bench.services import ServiceSet, build_services, changed_service
+from bench.lab import BenchLab, build_loadgen
+from bench.manifests import write_manifests
+from bench.measure import measure_datapath, measure_paired, vip_unreachable
+from bench.modes import api, api_feed
+from bench.modes.base import DIRECT, Mode
+from bench.modes.kpr import Kpr
+from bench.modes.nat import Iptables, Nftables
+from bench.report import machine, summarize
+from bench.services import ServiceSet, build_services, changed_service
 from kpr.node import host
 
 RATIO_KEYS = ("connect_p50_us", "connect_p99_us", "rr_per_s", "stream_gbit_s")

@@ -1,5 +1,5 @@
 """The bench's entry points: `kpr bench` (kpr.cli parses the options, main runs it, prints the
-table, writes the JSON and the plot), and ``python -m kpr.bench.run markdown|plot``, the tables
+table, writes the JSON and the plot), and ``python -m bench.run markdown|plot``, the tables
 and the plot of docs/benchmarks.md from earlier runs' JSON."""
 
 from __future__ import annotations
@@ -12,11 +12,11 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from kpr.bench.config import BenchConfig, BenchError
-from kpr.bench.plot import write_plot
-from kpr.bench.render import render_api_markdown, render_table, side_by_side_markdown
-from kpr.bench.report import merged
-from kpr.bench.rounds import run_bench
+from bench.config import BenchConfig, BenchError
+from bench.plot import write_plot
+from bench.render import render_api_markdown, render_table, side_by_side_markdown
+from bench.report import merged
+from bench.rounds import run_bench
 
 
 def parse_list(text: str, what: str) -> list[str]:
@@ -76,8 +76,8 @@ def _interrupt_as_exception() -> Iterator[None]:
         signal.signal(signal.SIGTERM, previous)
 
 
-USAGE = """usage: python -m kpr.bench.run markdown RESULTS.json...
-       python -m kpr.bench.run plot OUT.png RESULTS.json...
+USAGE = """usage: python -m bench.run markdown RESULTS.json...
+       python -m bench.run plot OUT.png RESULTS.json...
 the tables and the plot of docs/benchmarks.md, from one or more `kpr bench --json` runs"""
 
 if __name__ == "__main__":

@@ -1,5 +1,5 @@
 """Figures at scale: connect latency with N services programmed, programming time
-and agent memory. `python -m kpr.lab.scale --services 10000 --endpoints 10`.
+and agent memory. `python -m bench.scale --services 10000 --endpoints 10`.
 
 Everything runs in a throwaway lab: N Services with M endpoints each are
 written as manifests (kubectl-shaped YAML); the first services point at the
@@ -27,11 +27,11 @@ from kpr.agent import runstate
 from kpr.agent.loop import Agent, AgentConfig
 from kpr.datapath import bpfsys, loader
 from kpr.desired.state import translate
-from kpr.lab.latency import measure, measure_paired
-from kpr.lab.netns import Lab
 from kpr.model import NodeContext
 from kpr.node import host
 from kpr.sources.manifests import ManifestSource
+from lab.latency import measure, measure_paired
+from lab.netns import Lab
 
 VIP_BASE = IPv4Address("10.96.0.0")
 FAKE_ENDPOINT_BASE = IPv4Address("10.128.0.0")

@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from ipaddress import IPv4Address
 
-from kpr.bench.config import (
+from bench.config import (
     FAKE_NET,
     NAMESPACE,
     POD_PORTS,
@@ -19,7 +19,7 @@ from kpr.bench.config import (
     VIP_NET,
     BenchError,
 )
-from kpr.bench.kubeproxy_rules import ServicePort
+from bench.kubeproxy_rules import ServicePort
 
 
 @dataclass

@@ -1,6 +1,6 @@
 """The network programming latency SLI, as SIG Scalability defines it, on the real control plane.
 
-    python -m kpr.lab.kube.sli --services 1000,10000 --changes 100 [--json FILE]
+    python -m bench.sli --services 1000,10000 --changes 100 [--json FILE]
 
 For each cluster size N, smallest first, in one namespace that grows: N Services (10 endpoints
 each: the same 10 Ready lab pods) created through the API, the EndpointSlice controller done
@@ -33,9 +33,9 @@ from pathlib import Path
 
 from kubernetes import client
 
-from kpr.lab.kube import build, objects
-from kpr.lab.kube.controlplane import ControlPlane, free_port
-from kpr.lab.netns import Lab
+from lab.kube import build, objects
+from lab.kube.controlplane import ControlPlane, free_port
+from lab.netns import Lab
 
 NODE = "node-1"
 NAMESPACE = "sli"
@@ -269,7 +269,7 @@ class _Client:
     """The lab client (client_main) in kpr's cgroup, asked for one outcome at a time."""
 
     def __init__(self, lab: Lab, address: str, timeout: float) -> None:
-        argv = [sys.executable, "-m", "kpr.lab.kube.sli", "client", address, str(PORT)]
+        argv = [sys.executable, "-m", "bench.sli", "client", address, str(PORT)]
         self.process = lab.popen_client(
             [*argv, str(timeout)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
         )
@@ -296,7 +296,7 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] == ["client"]:
         return client_main(argv[1], int(argv[2]), float(argv[3]))
     parser = argparse.ArgumentParser(
-        prog="python -m kpr.lab.kube.sli",
+        prog="python -m bench.sli",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )

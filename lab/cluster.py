@@ -7,7 +7,7 @@ Layout (N nodes; i = 1..N)::
     lan netns      bridge "lan" ── c0, n1, n2, ...
                      ║
     node-i netns   eth0 192.168.50.i/24 fd00:50::i/64       (the node's address)
-                   br0  10.244.i.1/24  fd00:244:i::1/64     (kpr.lab.netns.Lab: pods)
+                   br0  10.244.i.1/24  fd00:244:i::1/64     (lab.netns.Lab: pods)
                    routes to the other nodes' pod networks via their eth0 address
 
 The pod networks may instead be carried by another device, as in real clusters
@@ -18,7 +18,7 @@ The pod networks may instead be carried by another device, as in real clusters
     "second-nic"  eth1 on a second bridge "lan2" 192.168.51.i/24 fd00:51::i/64: the routes
                   go via their eth1 address (a second NIC kpr's --devices does not name)
 
-Each node is a `kpr.lab.netns.Lab` (its own netns, pods and client cgroup) joined to the
+Each node is a `lab.netns.Lab` (its own netns, pods and client cgroup) joined to the
 node network; each node runs its own kpr agent (`Cluster.agent_command`): its own cgroup,
 pin directory and devices. The client reaches LoadBalancer and external IPs (LB_NET) through
 node-1, as a router in front of a cluster would send them. Nothing here touches the
@@ -33,7 +33,15 @@ import sys
 from ipaddress import IPv4Address, IPv6Address, ip_address
 from pathlib import Path
 
-from kpr.lab.netns import Lab, _delete_netns, _disable_ipv6_dad, _ip_batch, _netns_names, _run
+from lab.netns import (
+    Lab,
+    _delete_netns,
+    _disable_ipv6_dad,
+    _ip_batch,
+    _netns_names,
+    _python_env,
+    _run,
+)
 
 LAN4, LAN6 = "192.168.50.", "fd00:50::"
 CLIENT_HOSTS = (100, 101)  # two client addresses: source ranges allow one and not the other
@@ -180,11 +188,13 @@ class Cluster:
     def probe(
         self, kind: str, address: str, port: int, count: int = 1, source: str | None = None
     ) -> list[dict]:
-        """`kpr.lab.probe` results from the external client (bound to `source`, IPv4)."""
-        argv = [sys.executable, "-m", "kpr.lab.probe", kind, address, str(port)]
+        """`lab.probe` results from the external client (bound to `source`, IPv4)."""
+        argv = [sys.executable, "-m", "lab.probe", kind, address, str(port)]
         argv += ["--count", str(count)]
         argv += ["--bind", source] if source and ":" not in address else []
-        out = subprocess.run(self.client_command(argv), capture_output=True, text=True, timeout=60)
+        out = subprocess.run(
+            self.client_command(argv), capture_output=True, text=True, timeout=60, env=_python_env()
+        )
         if out.returncode != 0:
             raise RuntimeError(f"probe {kind} {address}:{port} failed: {out.stderr.strip()}")
         return json.loads(out.stdout)["results"]
@@ -237,9 +247,9 @@ class Cluster:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """python -m kpr.lab.cluster up DIR [--nodes N] [--proxy P] | down DIR
+    """python -m lab.cluster up DIR [--nodes N] [--proxy P] | down DIR
 
-    up DIR    a real Kubernetes cluster (kpr.lab.kube.cluster): control plane, N kubelet +
+    up DIR    a real Kubernetes cluster (lab.kube.cluster): control plane, N kubelet +
               containerd nodes, kpr installed from deploy/ as the DaemonSet (or --proxy
               kube-proxy-iptables, or none); writes DIR/kubeconfig and runs until SIGTERM,
               SIGINT or `down DIR`
@@ -247,9 +257,9 @@ def main(argv: list[str] | None = None) -> int:
     """
     import argparse
 
-    from kpr.lab.kube import cluster
+    from lab.kube import cluster
 
-    parser = argparse.ArgumentParser(prog="python -m kpr.lab.cluster", description=main.__doc__)
+    parser = argparse.ArgumentParser(prog="python -m lab.cluster", description=main.__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
     start = commands.add_parser("up")
     start.add_argument("directory", type=Path)

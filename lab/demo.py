@@ -16,10 +16,10 @@ from pathlib import Path
 
 from kpr.agent import runstate
 from kpr.datapath import abi
-from kpr.lab.netns import Lab
 from kpr.node import host
+from lab.netns import Lab
 
-EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "manifests"
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples" / "manifests"
 KPR = [sys.executable, "-m", "kpr.cli"]
 
 
@@ -28,7 +28,7 @@ def _say(text: str = "") -> None:
 
 
 def _probe(lab: Lab, *args: object) -> list[dict]:
-    argv = [sys.executable, "-m", "kpr.lab.probe", *map(str, args)]
+    argv = [sys.executable, "-m", "lab.probe", *map(str, args)]
     result = lab.run_client(argv)
     if result.returncode != 0:
         raise RuntimeError(f"probe failed: {result.stderr}")

@@ -13,7 +13,7 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-from kpr.lab.netns import Lab
+from lab.netns import Lab
 
 SOURCE = Path(__file__).with_name("connect_latency.c")
 

@@ -7,7 +7,7 @@ Layout (addresses for the default networks)::
                  ├─ v1 ══ eth0  pod netns pod-1  10.244.1.12  fd00:244:1::12
                  └─ ...
 
-Each pod runs ``kpr.lab.podserver``. Client processes run in the node netns *and* in a fresh
+Each pod runs ``lab.podserver``. Client processes run in the node netns *and* in a fresh
 child cgroup v2 (``Lab.cgroup``), which is where socket-LB programs under test get attached;
 a sibling cgroup (``Lab.baseline_cgroup``) never gets a program, so clients there connect as
 on a node without socket load balancing: the baseline a benchmark can alternate with, in the
@@ -44,7 +44,7 @@ READY_TIMEOUT_S = 10.0
 SERVER_STOP_TIMEOUT_S = 2.0
 CGROUP_DRAIN_TIMEOUT_S = 5.0
 
-_REPO_ROOT = Path(__file__).resolve().parents[2]
+_REPO_ROOT = Path(__file__).resolve().parents[1]
 _lab_counter = itertools.count()
 _live_labs: set[Lab] = set()
 
@@ -244,7 +244,7 @@ class Lab:
             process=subprocess.Popen(
                 [
                     *("ip", "netns", "exec", pod.netns),
-                    *(sys.executable, "-m", "kpr.lab.podserver"),
+                    *(sys.executable, "-m", "lab.podserver"),
                     *("--name", pod.name, "--port", str(self.port)),
                 ],
                 stdin=subprocess.DEVNULL,
@@ -259,7 +259,7 @@ class Lab:
     def _wait_listening(self, pods: list[Pod]) -> None:
         # Probing from the node netns also proves the bridge path works for both families.
         addresses = [str(address) for pod in pods for address in (pod.ipv4, pod.ipv6)]
-        argv = [sys.executable, "-m", "kpr.lab.probe", "wait", str(self.port), *addresses]
+        argv = [sys.executable, "-m", "lab.probe", "wait", str(self.port), *addresses]
         waited = subprocess.run(
             self.node_command([*argv, "--timeout", str(READY_TIMEOUT_S)]),
             capture_output=True,
@@ -409,8 +409,8 @@ def _kill(pid: int) -> None:
 
 
 def _python_env() -> dict[str, str]:
-    # Servers and probes run `python -m kpr.lab...`; find this tree even when kpr is not
-    # installed into the interpreter.
+    # Servers and probes run `python -m lab...`: the lab is never installed (only kpr is), so
+    # they find it in this checkout, whatever the working directory.
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(_REPO_ROOT), env.get("PYTHONPATH")]))
     return env
@@ -422,7 +422,7 @@ def _close_live_labs() -> None:
         try:
             lab.close()
         except Exception as exc:
-            print(f"kpr.lab: {exc}", file=sys.stderr)
+            print(f"lab: {exc}", file=sys.stderr)
 
 
 def _raise_system_exit(signum: int, _frame: object) -> None:

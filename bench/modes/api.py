@@ -32,14 +32,14 @@ import urllib.request
 import uuid
 from pathlib import Path
 
-from kpr.bench.config import CHANGE_VIP, FAKE_NET, VIP_FIRST, VIP_NET, ModeFailed
-from kpr.bench.lab import BenchLab, flat, run_checked
-from kpr.bench.modes.api_feed import NODE, ApiFeed
-from kpr.bench.modes.base import Mode
-from kpr.bench.modes.change_client import ChangeClient
-from kpr.bench.modes.kpr import kpr_missing, repo_env
-from kpr.bench.modes.process import cpu_seconds, memory_mb, quantiles, sync_metric
-from kpr.bench.services import ServiceSet
+from bench.config import CHANGE_VIP, FAKE_NET, VIP_FIRST, VIP_NET, ModeFailed
+from bench.lab import BenchLab, flat, run_checked
+from bench.modes.api_feed import NODE, ApiFeed
+from bench.modes.base import Mode
+from bench.modes.change_client import ChangeClient
+from bench.modes.kpr import kpr_missing, repo_env
+from bench.modes.process import cpu_seconds, memory_mb, quantiles, sync_metric
+from bench.services import ServiceSet
 
 KUBE_PROXY_METRICS = "http://127.0.0.1:10249/metrics"  # kubeadm's metricsBindAddress
 READY_SAMPLE = 24  # Services whose answer marks "programmed", spread over the list
@@ -293,9 +293,9 @@ class KubeProxy(ApiMode):
         return f"/run/netns/{bl.lab.node_netns}"
 
     def start(self, bl: BenchLab) -> subprocess.Popen:
-        from kpr.lab.kube.cluster import KUBE_PROXY_CONFIG
-        from kpr.lab.kube.controlplane import launch_logged
-        from kpr.lab.kube.forward import Forwarder
+        from lab.kube.cluster import KUBE_PROXY_CONFIG
+        from lab.kube.controlplane import launch_logged
+        from lab.kube.forward import Forwarder
 
         plane = self.feed.plane
         assert plane is not None
@@ -317,7 +317,7 @@ class KubeProxy(ApiMode):
         )
 
     def metrics(self, bl: BenchLab) -> str:
-        from kpr.lab.kube.forward import in_netns
+        from lab.kube.forward import in_netns
 
         def scrape() -> str:
             with urllib.request.urlopen(KUBE_PROXY_METRICS, timeout=5) as answer:
@@ -354,7 +354,7 @@ class KprApi(ApiMode):
         return kpr_missing() or super().missing()
 
     def start(self, bl: BenchLab) -> subprocess.Popen:
-        from kpr.lab.kube.controlplane import free_port, launch_logged
+        from lab.kube.controlplane import free_port, launch_logged
 
         self.pin_dir = Path("/sys/fs/bpf") / f"kpr-bench-api-{uuid.uuid4().hex[:8]}"
         self.metrics_port = free_port()

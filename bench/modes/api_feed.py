@@ -1,4 +1,4 @@
-"""The API server of the API-fed modes (kpr.lab.kube.controlplane, one for the whole run) and
+"""The API server of the API-fed modes (lab.kube.controlplane, one for the whole run) and
 what the bench writes through it, as a controller would: the N Services × M endpoints the
 generated-rules modes program (explicit ClusterIPs, one EndpointSlice each), one Service whose
 one endpoint the bench moves from pod to pod (programming latency: API write → first connection
@@ -13,16 +13,16 @@ from dataclasses import dataclass
 from ipaddress import IPv4Address
 from pathlib import Path
 
-from kpr.bench.config import (
+from bench.config import (
     CHANGE_VIP,
     CHURN_ENDPOINTS,
     CHURN_FIRST_VIP,
     NAMESPACE,
     ModeFailed,
 )
-from kpr.bench.lab import BenchLab
-from kpr.bench.manifests import service_objects
-from kpr.bench.services import ServiceSet
+from bench.lab import BenchLab
+from bench.manifests import service_objects
+from bench.services import ServiceSet
 
 NODE = "bench-node"
 CHANGE_SERVICE = "bench-change"
@@ -63,12 +63,12 @@ class ApiFeed:
         self.given_up: dict[str, str] = {}  # mode: why it is not run at bigger sizes
 
     def version(self) -> str:
-        from kpr.lab.kube import build
+        from lab.kube import build
 
         return build.kubernetes_version()
 
     def missing(self) -> str | None:
-        from kpr.lab.kube import build
+        from lab.kube import build
 
         try:
             build.find_go()
@@ -81,8 +81,8 @@ class ApiFeed:
             return
         from kubernetes import client
 
-        from kpr.lab.kube import build, objects
-        from kpr.lab.kube.controlplane import ControlPlane
+        from lab.kube import build, objects
+        from lab.kube.controlplane import ControlPlane
 
         self.bin_dir = build.build()
         plane = ControlPlane(
@@ -111,7 +111,7 @@ class ApiFeed:
 
     def hold(self, services: ServiceSet, bl: BenchLab) -> dict:
         """Make the API hold exactly ``services`` (plus the change and churn Services)."""
-        from kpr.lab.kube import objects
+        from lab.kube import objects
 
         self.start()
         started = time.monotonic()

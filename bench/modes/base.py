@@ -3,9 +3,9 @@ clients connecting straight to the pods, the physical limit every figure is divi
 
 from __future__ import annotations
 
-from kpr.bench.kubeproxy_rules import ServicePort
-from kpr.bench.lab import BenchLab
-from kpr.bench.services import ServiceSet
+from bench.kubeproxy_rules import ServicePort
+from bench.lab import BenchLab
+from bench.services import ServiceSet
 
 
 class Mode:

@@ -1,5 +1,5 @@
 """The client that times an API-fed mode's endpoint change, run in the lab (node netns, the
-lab's cgroup) as ``python -m kpr.bench.modes.change_client ADDRESS PORT TIMEOUT``, and the
+lab's cgroup) as ``python -m bench.modes.change_client ADDRESS PORT TIMEOUT``, and the
 bench's handle on it (ChangeClient)."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ import subprocess
 import sys
 import time
 
-from kpr.bench.config import CHANGE_VIP
-from kpr.bench.lab import BenchLab
+from bench.config import CHANGE_VIP
+from bench.lab import BenchLab
 
 
 def client_main(address: str, port: int, timeout: float) -> int:
@@ -44,7 +44,7 @@ class ChangeClient:
         argv = [
             sys.executable,
             "-m",
-            "kpr.bench.modes.change_client",
+            "bench.modes.change_client",
             CHANGE_VIP,
             "81",
             str(timeout),
@@ -72,7 +72,7 @@ class ChangeClient:
 def main(argv: list[str]) -> int:
     if len(argv) == 3:
         return client_main(argv[0], int(argv[1]), float(argv[2]))
-    print("usage: python -m kpr.bench.modes.change_client ADDRESS PORT TIMEOUT", file=sys.stderr)
+    print("usage: python -m bench.modes.change_client ADDRESS PORT TIMEOUT", file=sys.stderr)
     return 2
 
 

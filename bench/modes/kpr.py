@@ -13,13 +13,13 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from bench.config import ModeFailed
+from bench.kubeproxy_rules import ServicePort
+from bench.lab import BenchLab
+from bench.manifests import rewrite_manifest
+from bench.modes.base import Mode
+from bench.services import ServiceSet
 from kpr.agent import runstate
-from kpr.bench.config import ModeFailed
-from kpr.bench.kubeproxy_rules import ServicePort
-from kpr.bench.lab import BenchLab
-from kpr.bench.manifests import rewrite_manifest
-from kpr.bench.modes.base import Mode
-from kpr.bench.services import ServiceSet
 from kpr.node import host
 
 _pin_counter = itertools.count()
@@ -171,6 +171,6 @@ def repo_env() -> dict[str, str]:
     """This environment, with this checkout first on PYTHONPATH: a `kpr` process started by
     the bench runs the same kpr."""
     env = dict(os.environ)
-    root = str(Path(__file__).resolve().parents[3])  # kpr/bench/modes/kpr.py
+    root = str(Path(__file__).resolve().parents[2])  # bench/modes/kpr.py
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
     return env

@@ -1,4 +1,4 @@
-"""The NAT modes: kube-proxy's rulesets as it generates them (kpr.bench.kubeproxy_rules),
+"""The NAT modes: kube-proxy's rulesets as it generates them (bench.kubeproxy_rules),
 loaded in the lab's node netns, hooked from nat OUTPUT as kube-proxy hooks them.
 
 - ``iptables`` / ``iptables-legacy``: the nat table loaded with ``iptables-restore`` (nf_tables
@@ -17,12 +17,12 @@ import tempfile
 import time
 from pathlib import Path
 
-from kpr.bench import kubeproxy_rules as rules
-from kpr.bench.config import CLUSTER_CIDR, VIP_NET, ModeFailed
-from kpr.bench.kubeproxy_rules import ServicePort
-from kpr.bench.lab import BenchLab
-from kpr.bench.modes.base import Mode
-from kpr.bench.services import ServiceSet
+from bench import kubeproxy_rules as rules
+from bench.config import CLUSTER_CIDR, VIP_NET, ModeFailed
+from bench.kubeproxy_rules import ServicePort
+from bench.lab import BenchLab
+from bench.modes.base import Mode
+from bench.services import ServiceSet
 
 
 def timed_child(tool: Path, argv: list[str], stdin: str) -> dict:

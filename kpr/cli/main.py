@@ -412,7 +412,7 @@ def demo(
     connections: Annotated[int, typer.Option(help="Connections to make to the ClusterIP.")] = 300,
 ) -> None:
     """Bring up a throwaway netns lab, run kpr on the example manifests, connect, clean up."""
-    from kpr.lab.demo import main
+    from lab.demo import main
 
     try:
         sys.exit(main(pods=pods, connections=connections))
@@ -460,7 +460,7 @@ def bench(
     ] = 900.0,
 ) -> None:
     """Benchmark kpr against kube-proxy's iptables and nftables rulesets in a throwaway lab."""
-    from kpr.bench import run as bench_run
+    from bench import run as bench_run
 
     try:
         cfg = bench_run.config_from_options(

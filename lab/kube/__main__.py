@@ -1,4 +1,4 @@
-"""python -m kpr.lab.kube build | up DIR | down DIR
+"""python -m lab.kube build | up DIR | down DIR
 
 build    build etcd and the Kubernetes components (or reuse the cache); the last line printed
          is the directory that holds the binaries (--if-go: no Go is no error, for make test)
@@ -16,9 +16,9 @@ import sys
 import time
 from pathlib import Path
 
-from kpr.lab.kube import build
-from kpr.lab.kube.controlplane import ControlPlane, stop_recorded
 from kpr.node.host import process_alive
+from lab.kube import build
+from lab.kube.controlplane import ControlPlane, stop_recorded
 
 PID_FILE = "kube.pid"
 DOWN_TIMEOUT_S = 60.0
@@ -39,14 +39,14 @@ def _up(directory: Path) -> int:
     (directory / PID_FILE).write_text(f"{os.getpid()}\n")
     try:
         plane.start()
-        print(f"kpr.lab.kube: control plane up at {plane.url} (logs in {directory}/logs)",
+        print(f"lab.kube: control plane up at {plane.url} (logs in {directory}/logs)",
               file=sys.stderr)  # fmt: skip
         print(plane.kubeconfig, flush=True)
         while not stop:
             for component in plane.components:
                 if component.process is not None and component.process.poll() is not None:
                     code = component.process.returncode
-                    print(f"kpr.lab.kube: {component.name} exited ({code}); stopping",
+                    print(f"lab.kube: {component.name} exited ({code}); stopping",
                           file=sys.stderr)  # fmt: skip
                     stop = True
             time.sleep(0.5)
@@ -67,13 +67,13 @@ def _down(directory: Path) -> int:
                 time.sleep(0.2)
         pid_file.unlink(missing_ok=True)
     for what in stop_recorded(directory):  # whatever an `up` that died left running
-        print(f"kpr.lab.kube: stopped {what}", file=sys.stderr)
+        print(f"lab.kube: stopped {what}", file=sys.stderr)
     return 0
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m kpr.lab.kube",
+        prog="python -m lab.kube",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -93,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
             return _up(args.directory)
         return _down(args.directory)
     except build.GoMissing as err:
-        print(f"kpr.lab.kube: {err}", file=sys.stderr)
+        print(f"lab.kube: {err}", file=sys.stderr)
         return 0 if getattr(args, "if_go", False) else 2
 
 

@@ -45,7 +45,7 @@ ETCD_COMMANDS = {
     "etcd": "go.etcd.io/etcd/server/v3",
     "etcdctl": "go.etcd.io/etcd/etcdctl/v3",
 }
-# The cluster DNS (kpr.lab.kube.dns), linked as upstream's Makefile links it.
+# The cluster DNS (lab.kube.dns), linked as upstream's Makefile links it.
 COREDNS_COMMANDS = {"coredns": "github.com/coredns/coredns"}
 E2E_PACKAGE = "k8s.io/kubernetes/test/e2e"  # built with `go test -c` as e2e.test
 BINARIES = (*KUBERNETES_COMMANDS, *ETCD_COMMANDS, *COREDNS_COMMANDS, "e2e.test")
@@ -188,7 +188,7 @@ def build(log=sys.stderr) -> Path:
     with open(root / ".lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # one build at a time per cache; the second reuses it
         if is_built(target):
-            print(f"kpr.lab.kube: reusing {target}", file=log)
+            print(f"lab.kube: reusing {target}", file=log)
             return target
         env = _go_env(
             {
@@ -221,11 +221,11 @@ def build(log=sys.stderr) -> Path:
         started = time.monotonic()
         for module, args in steps:
             step_start = time.monotonic()
-            print(f"kpr.lab.kube: (cd {module.name} && go {' '.join(args)})", file=log, flush=True)
+            print(f"lab.kube: (cd {module.name} && go {' '.join(args)})", file=log, flush=True)
             done = subprocess.run([go, *args], cwd=module, env=env, check=False)
             if done.returncode != 0:
                 raise RuntimeError(f"go {args[0]} in {module} failed ({done.returncode})")
-            print(f"kpr.lab.kube:   {time.monotonic() - step_start:.0f} s", file=log, flush=True)
+            print(f"lab.kube:   {time.monotonic() - step_start:.0f} s", file=log, flush=True)
         missing = [name for name in BINARIES if not (staging / name).exists()]
         if missing:
             raise RuntimeError(f"build finished without {', '.join(missing)} in {staging}")
@@ -233,5 +233,5 @@ def build(log=sys.stderr) -> Path:
         with contextlib.suppress(FileNotFoundError):
             shutil.rmtree(target)
         staging.rename(target)
-        print(f"kpr.lab.kube: built in {time.monotonic() - started:.0f} s", file=log)
+        print(f"lab.kube: built in {time.monotonic() - started:.0f} s", file=log)
         return target

@@ -3,7 +3,7 @@ it (`kubectl apply -k` of deploy/ through an overlay that sets the API server ad
 and the hybrid cgroup layout), from the image deploy/Dockerfile builds.
 
 The control plane runs in its own network namespace (`ControlPlane(in_netns=True)`); each node
-(`kpr.lab.kube.node.Node`) is a kubelet with containerd in namespaces of its own, joined to the
+(`lab.kube.node.Node`) is a kubelet with containerd in namespaces of its own, joined to the
 control plane's bridge. The machine reaches the API server on its loopback (DIR/kubeconfig);
 anything that must reach pods and nodes directly (the e2e suite) runs in the control plane's
 namespace with DIR/kubeconfig.in-netns. `proxy` is "kpr", "kube-proxy-iptables" (the real
@@ -24,12 +24,12 @@ from pathlib import Path
 
 import yaml
 
-from kpr.lab.kube import build, dns, objects
-from kpr.lab.kube.controlplane import ControlPlane, launch_logged, stop_recorded
-from kpr.lab.kube.images import KPR_IMAGE, build_images
-from kpr.lab.kube.node import Node, remove
+from lab.kube import build, dns, objects
+from lab.kube.controlplane import ControlPlane, launch_logged, stop_recorded
+from lab.kube.images import KPR_IMAGE, build_images
+from lab.kube.node import Node, remove
 
-REPO = Path(__file__).resolve().parents[3]
+REPO = Path(__file__).resolve().parents[2]
 KPR_CONTAINER = "/spec/template/spec/containers/0"
 PROXIES = ("kpr", "kube-proxy-iptables", "none")
 READY_TIMEOUT_S = 300.0
@@ -123,7 +123,7 @@ class RealCluster:
     kube_proxies: dict[str, subprocess.Popen] = field(default_factory=dict)
     images: dict[str, Path] = field(default_factory=dict)  # reference -> archive, on every node
     kpr_image: str = KPR_IMAGE
-    kernel_headers: bool = False  # nodes with kernel headers (kpr.lab.kube.node.Node)
+    kernel_headers: bool = False  # nodes with kernel headers (lab.kube.node.Node)
 
     def __post_init__(self) -> None:
         if self.proxy not in PROXIES:
@@ -268,7 +268,7 @@ class RealCluster:
 
 
 def up(directory: Path, nodes: int, proxy: str) -> int:
-    """`python -m kpr.lab.cluster up DIR`: start, then run until SIGTERM/SIGINT or `down`."""
+    """`python -m lab.cluster up DIR`: start, then run until SIGTERM/SIGINT or `down`."""
 
     def on_signal(signum: int, _frame: object) -> None:
         raise KeyboardInterrupt  # also while starting: start() stops what it started
@@ -279,7 +279,7 @@ def up(directory: Path, nodes: int, proxy: str) -> int:
     (cluster.directory / "up.pid").write_text(f"{os.getpid()}\n")
     try:
         cluster.start()
-        print(f"kpr.lab.cluster: up; KUBECONFIG={cluster.kubeconfig}", flush=True)
+        print(f"lab.cluster: up; KUBECONFIG={cluster.kubeconfig}", flush=True)
         while True:
             time.sleep(0.5)
     except KeyboardInterrupt:

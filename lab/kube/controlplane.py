@@ -1,5 +1,5 @@
 """A real Kubernetes control plane on one machine: etcd, kube-apiserver, kube-controller-manager
-and kube-scheduler, built by `kpr.lab.kube.build`.
+and kube-scheduler, built by `lab.kube.build`.
 
 Every process listens on 127.0.0.1 (ports chosen free at start) in the machine's own network
 namespace, so kubectl and kpr reach it with the kubeconfig this writes, and nothing is exposed
@@ -27,9 +27,9 @@ from pathlib import Path
 
 import yaml
 
-from kpr.lab.kube.forward import Forwarder
-from kpr.lab.netns import _delete_netns, _ip_batch, _netns_names, _run
 from kpr.node.host import process_alive
+from lab.kube.forward import Forwarder
+from lab.netns import _delete_netns, _ip_batch, _netns_names, _run
 
 SERVICE_CIDRS = ("10.96.0.0/16", "fd00:96::/112")
 ADVERTISE_IPV4 = "10.250.0.1"
@@ -53,7 +53,7 @@ CONTROLLERS = (
 )
 
 # token, user, uid, groups: the lab's users (--token-auth-file). kpr gets none of these: it
-# runs with a ServiceAccount token bound to deploy/'s ClusterRole (kpr.lab.kube.objects).
+# runs with a ServiceAccount token bound to deploy/'s ClusterRole (lab.kube.objects).
 USERS = {
     "admin": ("kubernetes-admin", "system:masters"),
     "kube-controller-manager": ("system:kube-controller-manager", ""),

@@ -9,7 +9,7 @@ stop CoreDNS for), so a name outside cluster.local is answered SERVFAIL at once.
 
 The image is the one kubeadm names (registry.k8s.io/coredns/coredns:<kubeadm's CoreDNSVersion>,
 `image_reference()`): containerfiles/coredns/Containerfile around the static coredns binary that
-`python -m kpr.lab.kube build` builds at the version upstream/coredns/go.mod pins (the same).
+`python -m lab.kube build` builds at the version upstream/coredns/go.mod pins (the same).
 """
 
 from __future__ import annotations
@@ -24,9 +24,9 @@ from pathlib import Path
 
 import yaml
 
-from kpr.lab.kube import build
-from kpr.lab.kube.controlplane import CLUSTER_DOMAIN
-from kpr.lab.kube.node import CLUSTER_DNS
+from lab.kube import build
+from lab.kube.controlplane import CLUSTER_DOMAIN
+from lab.kube.node import CLUSTER_DNS
 
 NAMESPACE = "kube-system"
 NAME = "coredns"  # Deployment, ConfigMap, ServiceAccount (kubeadm's CoreDNSDeploymentName)

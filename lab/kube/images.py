@@ -1,6 +1,6 @@
 """Container images for the lab's real nodes, built with no registry.
 
-python -m kpr.lab.kube.images build [--only NAME ...]
+python -m lab.kube.images build [--only NAME ...]
 
 The nodes' containerd pulls nothing: every image a lab pod or an e2e test names is built here and
 imported with `ctr images import`. All are built with buildah (no Docker engine, no daemon): the
@@ -33,10 +33,10 @@ import time
 from collections.abc import Iterable
 from pathlib import Path
 
-from kpr.lab.kube import build, dns
+from lab.kube import build, dns
 
 CONTAINERFILES = Path(__file__).resolve().parent / "containerfiles"
-REPO = Path(__file__).resolve().parents[3]
+REPO = Path(__file__).resolve().parents[2]
 BUILD_IMAGE = REPO / "deploy" / "build-image.sh"
 KPR_IMAGE = "localhost/kpr:0.1.0"  # deploy/Dockerfile's own example tag
 DEBIAN_BASE = "docker.io/library/debian:bookworm-slim"
@@ -61,9 +61,9 @@ E2E_IMAGES = {
     "nginx": "Nginx",
     "jessie-dnsutils": "JessieDnsutils",
 }
-# kubeadm's kube-proxy DaemonSet image (kpr.lab.kube.kube_proxy), tagged with the lab's version.
+# kubeadm's kube-proxy DaemonSet image (lab.kube.kube_proxy), tagged with the lab's version.
 KUBE_PROXY_REPOSITORY = "registry.k8s.io/kube-proxy"
-NAMES = (*E2E_IMAGES, "coredns", "kube-proxy", "kpr")  # coredns: the cluster DNS (kpr.lab.kube.dns)
+NAMES = (*E2E_IMAGES, "coredns", "kube-proxy", "kpr")  # coredns: the cluster DNS (lab.kube.dns)
 # Debian packages the builds run (the command each provides, to see whether it is there).
 TOOLS = {
     "buildah": "buildah",
@@ -216,7 +216,7 @@ class _Builder:
         key = _digest(reference, digest, _base_key() if from_base else "")
         archive = archives_dir() / f"{name}-{key[:16]}.tar"
         if archive.exists():
-            print(f"kpr.lab.kube.images: reusing {reference} ({archive})", file=self.log)
+            print(f"lab.kube.images: reusing {reference} ({archive})", file=self.log)
             os.utime(archive)  # recently used: kept (see below)
             return archive
         if from_base:
@@ -224,7 +224,7 @@ class _Builder:
         started = time.monotonic()
         partial = archive.with_name(f".{archive.name}.partial")
         partial.unlink(missing_ok=True)
-        print(f"kpr.lab.kube.images: building {reference}", file=self.log, flush=True)
+        print(f"lab.kube.images: building {reference}", file=self.log, flush=True)
         if name.startswith("kpr"):
             script = kpr_tree / "deploy" / "build-image.sh"
             self.buildah_private(
@@ -255,7 +255,7 @@ class _Builder:
         for stale in used[:-KEEP_ARCHIVES]:
             stale.unlink()
         elapsed = time.monotonic() - started
-        print(f"kpr.lab.kube.images:   {reference} in {elapsed:.0f} s", file=self.log, flush=True)
+        print(f"lab.kube.images:   {reference} in {elapsed:.0f} s", file=self.log, flush=True)
         return archive
 
     def _bud_options(self) -> list[str]:
@@ -311,7 +311,7 @@ class _Builder:
             binaries = build.cached()
             if binaries is None:
                 raise InputsMissing(
-                    f"the lab's {name} is not built: run `python -m kpr.lab.kube build` first"
+                    f"the lab's {name} is not built: run `python -m lab.kube build` first"
                 )
             shutil.copy2(binaries / name, context / name)
         if name == "agnhost":
@@ -324,7 +324,7 @@ class _Builder:
             binaries = build.cached()
             if binaries is None:
                 raise InputsMissing(
-                    "the lab's coredns is not built: run `python -m kpr.lab.kube build` first"
+                    "the lab's coredns is not built: run `python -m lab.kube build` first"
                 )
             shutil.copy2(binaries / "coredns", context / "coredns")
             _require_static(context / "coredns")
@@ -341,7 +341,7 @@ class _Builder:
             self.base_ready = True
             return
         started = time.monotonic()
-        print(f"kpr.lab.kube.images: building {DEBIAN_BASE} (debootstrap)", file=self.log)
+        print(f"lab.kube.images: building {DEBIAN_BASE} (debootstrap)", file=self.log)
         rootfs = self.scratch / "rootfs"
         mirror, _ = _debian_mirrors()
         # In a mount namespace of its own too: what it mounts in the rootfs goes with it.
@@ -364,7 +364,7 @@ class _Builder:
         stamp.write_text(_base_key())
         self.base_ready = True
         elapsed = time.monotonic() - started
-        print(f"kpr.lab.kube.images:   {DEBIAN_BASE} in {elapsed:.0f} s", file=self.log)
+        print(f"lab.kube.images:   {DEBIAN_BASE} in {elapsed:.0f} s", file=self.log)
 
     def buildah_private(self, argv: list[str], check: bool = True) -> bool:
         # A mount namespace of its own: buildah's overlay mounts (even the one its storage
@@ -535,7 +535,7 @@ def _run(argv: list[str], env: dict[str, str] | None = None) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m kpr.lab.kube.images", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m lab.kube.images", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
     build_command = commands.add_parser("build", help="build the images or reuse the cache")
     build_command.add_argument("--only", nargs="+", choices=NAMES, metavar="NAME")
@@ -543,7 +543,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         built = build_images(args.only)
     except (InputsMissing, build.GoMissing) as err:
-        print(f"kpr.lab.kube.images: {err}", file=sys.stderr)
+        print(f"lab.kube.images: {err}", file=sys.stderr)
         return 1
     for reference, archive in built.items():
         print(f"{reference} {archive}", file=sys.stderr)

@@ -18,8 +18,8 @@ from pathlib import Path
 
 import yaml
 
-from kpr.lab.kube import build
-from kpr.lab.kube.images import kube_proxy_image
+from lab.kube import build
+from lab.kube.images import kube_proxy_image
 
 NAME = "kube-proxy"
 CONFIG_KEY = "config.conf"  # kubeadm's KubeProxyConfigMapKey
@@ -117,7 +117,7 @@ def manifests(server: str, kubernetes_source: Path | None = None) -> list[dict]:
 
 
 def install(cluster, timeout: float = 180.0) -> None:
-    """kubeadm's addon phase on `cluster` (a kpr.lab.kube.cluster.RealCluster), then wait until
+    """kubeadm's addon phase on `cluster` (a lab.kube.cluster.RealCluster), then wait until
     every node's kube-proxy has written its Service rules."""
     path = cluster.directory / "kube-proxy.yaml"
     path.write_text(yaml.safe_dump_all(manifests(cluster.plane.advertised_url), sort_keys=False))

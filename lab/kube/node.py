@@ -31,15 +31,15 @@ from pathlib import Path
 
 import yaml
 
-from kpr.lab.kube.controlplane import (
+from kpr.node.host import cgroup2_root
+from lab.kube.controlplane import (
     CLUSTER_DOMAIN,
     ControlPlane,
     _stop_process,
     launch_logged,
     log_tail,
 )
-from kpr.lab.netns import _delete_netns, _ip_batch, _netns_names, _remove_cgroup, _run
-from kpr.node.host import cgroup2_root
+from lab.netns import _delete_netns, _ip_batch, _netns_names, _remove_cgroup, _run
 
 CNI_BIN_DIR = "/usr/lib/cni"  # Debian's containernetworking-plugins
 CLUSTER_DNS = "10.96.0.10"
@@ -72,7 +72,7 @@ class Node:
     directory: Path
     index: int
     name: str = ""
-    sandbox_image: str = "registry.k8s.io/pause:3.10.1"  # kpr.lab.kube.images names the real one
+    sandbox_image: str = "registry.k8s.io/pause:3.10.1"  # lab.kube.images names the real one
     # A node with its kernel's headers at /lib/modules/<release>/build (the machine's header
     # set, seen only in the node's mount namespace), as the releases of kpr before it shipped
     # headers need; by default a node has none, as COS, Bottlerocket, Talos.
@@ -176,7 +176,7 @@ class Node:
         remove(self.record())
 
     def record(self) -> dict[str, str]:
-        """What `remove` needs when this object is gone (kpr.lab.cluster down)."""
+        """What `remove` needs when this object is gone (lab.cluster down)."""
         return {
             "cgroup": str(self.cgroup),
             "cgroup_root": self.cgroup_root,

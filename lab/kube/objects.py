@@ -20,7 +20,7 @@ from kubernetes import client, config
 ZONE_LABEL = "topology.kubernetes.io/zone"
 KPR_NAMESPACE = "kube-system"
 KPR_SERVICE_ACCOUNT = "kpr"
-REPO_ROOT = Path(__file__).resolve().parents[3]
+REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 def core_api(kubeconfig: Path) -> client.CoreV1Api:
