@@ -21,20 +21,21 @@ test: setup lint
 	# debootstrap build its images (no registry); busybox-static and libc6-dev go into them.
 	dpkg -s containerd runc containernetworking-plugins buildah debootstrap busybox-static libc6-dev curl >/dev/null 2>&1 || { apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends containerd runc containernetworking-plugins buildah debootstrap busybox-static libc6-dev curl; }
 	# The real Kubernetes components the lab tests run (cached outside the clone; without Go
-	# it says so, and those tests skip with the reason).
-	$(PYTHON) -m kpr.lab.kube build --if-go
+	# it says so, and those tests skip with the reason). The lab (lab/) is not installed:
+	# `-m` finds it in the working directory, the repository's root.
+	$(PYTHON) -m lab.kube build --if-go
 	$(PYTHON) -m pytest -q
 
 # Style, the import layers (pyproject's [tool.importlinter]) and types ([tool.mypy]).
 lint: setup
-	$(VENV)/bin/ruff check kpr tests
-	$(VENV)/bin/ruff format --check kpr tests
+	$(VENV)/bin/ruff check kpr lab bench tests
+	$(VENV)/bin/ruff format --check kpr lab bench tests
 	$(VENV)/bin/lint-imports
 	$(VENV)/bin/mypy
 
-# The figures in README.md: 10,000 services x 10 endpoints.
+# The figures in README.md: 10,000 services x 10 endpoints (bench/scale.py, from the root).
 scale: setup
-	$(PYTHON) -m kpr.lab.scale --services 10000 --endpoints 10
+	$(PYTHON) -m bench.scale --services 10000 --endpoints 10
 
 clean:
 	rm -rf $(VENV) *.egg-info .pytest_cache .ruff_cache

@@ -3,6 +3,7 @@ skips with the reason when it is missing, and cleans up even on failure."""
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import uuid
@@ -12,13 +13,18 @@ import pytest
 
 from kpr.node import host
 from tests.support.kernel import skip_unless_kernel_ready
+from tests.support.paths import REPO
+
+# The lab and the bench (lab/, bench/) are not installed, only kpr is: the `python -m lab...`
+# and `python -m bench...` the tests start find them in this checkout, wherever pytest runs.
+os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
 
 
 @pytest.fixture(scope="module")
 def lab():
     """A node netns with three pods and a client cgroup, shared by a module's tests."""
     skip_unless_kernel_ready()
-    from kpr.lab.netns import Lab
+    from lab.netns import Lab
 
     with Lab(pods=3) as made:
         yield made
@@ -78,8 +84,8 @@ def compiled_bpf(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def kube_bin():
-    """The upstream binaries (kpr.lab.kube.build; `make test` builds them first where Go is)."""
-    from kpr.lab.kube import build
+    """The upstream binaries (lab.kube.build; `make test` builds them first where Go is)."""
+    from lab.kube import build
 
     try:
         build.find_go()
@@ -93,7 +99,7 @@ def control_plane(kube_bin, tmp_path_factory, request):
     """etcd, kube-apiserver, kube-controller-manager and kube-scheduler for a module's tests
     (with the module's CONTROLLER_MANAGER_ARGS, if it has any)."""
     skip_unless_kernel_ready()  # its advertise address lives in a network namespace
-    from kpr.lab.kube.controlplane import ControlPlane
+    from lab.kube.controlplane import ControlPlane
 
     extra = list(getattr(request.module, "CONTROLLER_MANAGER_ARGS", []))
     directory = tmp_path_factory.mktemp("kube")

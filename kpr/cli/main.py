@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
+import kpr
 from kpr import __version__
 from kpr.agent import runstate
 from kpr.model import NodeContext
@@ -62,6 +63,31 @@ def main(
 def _fail(err: Exception) -> None:
     typer.echo(f"kpr: {err}", err=True)
     raise typer.Exit(2)
+
+
+def source_checkout() -> Path | None:
+    """The kpr source checkout this kpr runs from (an editable install of a clone: the lab and
+    the bench beside the package), or None (an installed wheel, the image)."""
+    root = Path(kpr.__file__).resolve().parents[1]
+    found = all((root / package / "__init__.py").is_file() for package in ("lab", "bench"))
+    return root if found else None
+
+
+def _use_checkout(command: str) -> None:
+    """Make the checkout's lab and bench importable, however kpr was started (`make demo`
+    runs .venv/bin/kpr, whose sys.path has .venv/bin, not the repository); without one, say
+    so in one sentence."""
+    root = source_checkout()
+    if root is None:
+        typer.echo(
+            f"kpr {command} needs a kpr source checkout: the lab and the bench live at the top"
+            " of the repository (lab/, bench/), not in the installed package, so run it from a"
+            " clone of the repository after `make setup`.",
+            err=True,
+        )
+        raise typer.Exit(2)
+    if str(root) not in sys.path:
+        sys.path.insert(0, str(root))
 
 
 def _bind(server: BackgroundServer, flag: str, address: str) -> None:
@@ -412,7 +438,8 @@ def demo(
     connections: Annotated[int, typer.Option(help="Connections to make to the ClusterIP.")] = 300,
 ) -> None:
     """Bring up a throwaway netns lab, run kpr on the example manifests, connect, clean up."""
-    from kpr.lab.demo import main
+    _use_checkout("demo")
+    from lab.demo import main
 
     try:
         sys.exit(main(pods=pods, connections=connections))
@@ -460,7 +487,8 @@ def bench(
     ] = 900.0,
 ) -> None:
     """Benchmark kpr against kube-proxy's iptables and nftables rulesets in a throwaway lab."""
-    from kpr.bench import run as bench_run
+    _use_checkout("bench")
+    from bench import run as bench_run
 
     try:
         cfg = bench_run.config_from_options(

@@ -15,13 +15,13 @@ from pathlib import Path
 
 import pytest
 
-from kpr.bench import config, measure, render
-from kpr.bench import kubeproxy_rules as rules
-from kpr.bench.kubeproxy_rules import ServicePort
-from kpr.bench.modes.nat import Iptables
-from kpr.bench.plot import write_plot
-from kpr.bench.report import merged
-from kpr.bench.services import build_services, changed_service
+from bench import config, measure, render
+from bench import kubeproxy_rules as rules
+from bench.kubeproxy_rules import ServicePort
+from bench.modes.nat import Iptables
+from bench.plot import write_plot
+from bench.report import merged
+from bench.services import build_services, changed_service
 from tests.support.paths import REPO
 
 GOLDEN = Path(__file__).with_name("golden")
@@ -385,7 +385,7 @@ def test_node_port_bench_carries_connections_in_every_mode():
     from tests.support.kernel import skip_unless_kernel_ready
 
     skip_unless_kernel_ready()
-    from kpr.bench import nodeport
+    from bench import nodeport
 
     result = nodeport.run(rounds=1, connections=200)
     assert result["failures"] == {"direct": 0, "iptables": 0, "kpr": 0}
@@ -394,7 +394,7 @@ def test_node_port_bench_carries_connections_in_every_mode():
 
 
 def test_the_api_fed_modes_read_the_proxy_metric_and_rank_each_column():
-    from kpr.bench.modes import process
+    from bench.modes import process
 
     text = (
         "# TYPE kubeproxy_sync_proxy_rules_duration_seconds histogram\n"
@@ -430,7 +430,7 @@ def test_the_api_fed_modes_read_the_proxy_metric_and_rank_each_column():
 
 
 def test_the_api_fed_modes_sample_services_across_the_list():
-    from kpr.bench.modes import api
+    from bench.modes import api
 
     services = build_services(30000, 2, ["10.244.1.11", "10.244.1.12"])
     targets = api._ready_targets(services)

@@ -1,4 +1,4 @@
-"""python -m kpr.lab.kube: the build's cache and version pins, and `up DIR` / `down DIR` as a
+"""python -m lab.kube: the build's cache and version pins, and `up DIR` / `down DIR` as a
 user (or a check outside the suite) runs them."""
 
 from __future__ import annotations
@@ -13,10 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from kpr.lab.kube import build
 from kpr.node.host import process_alive
+from lab.kube import build
 
-KUBE = [sys.executable, "-m", "kpr.lab.kube"]
+KUBE = [sys.executable, "-m", "lab.kube"]
 
 
 def test_versions_come_from_the_go_modules_and_every_staging_module_is_replaced():
@@ -34,7 +34,7 @@ def test_without_go_build_says_so_and_if_go_exits_0(tmp_path):
     env = {**os.environ, "PATH": str(tmp_path)}  # no go on PATH
     fake_go = Path("/usr/local/go/bin/go")
     if fake_go.exists() or Path("/usr/lib/go/bin/go").exists():
-        pytest.skip("Go is installed where kpr.lab.kube looks besides PATH")
+        pytest.skip("Go is installed where lab.kube looks besides PATH")
     out = subprocess.run([*KUBE, "build"], capture_output=True, text=True, env=env)
     assert out.returncode == 2 and "no Go toolchain found" in out.stderr
     out = subprocess.run([*KUBE, "build", "--if-go"], capture_output=True, text=True, env=env)

@@ -1,4 +1,4 @@
-"""python -m kpr.lab.kube.conformance: which upstream e2e tests a run selects and skips (checked
+"""python -m lab.kube.conformance: which upstream e2e tests a run selects and skips (checked
 against the real e2e binary's own list and ginkgo's own filtering), and how a kpr run and a
 kube-proxy run merge into docs/conformance.md."""
 
@@ -14,10 +14,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from kpr.lab.kube import conformance
-from kpr.lab.kube.conformance import SKIPS, SUBSETS, Lab
+from lab.kube import conformance
+from lab.kube.conformance import SKIPS, SUBSETS, Lab
 
-CONFORMANCE = [sys.executable, "-m", "kpr.lab.kube.conformance"]
+CONFORMANCE = [sys.executable, "-m", "lab.kube.conformance"]
 
 
 # -- a report in ginkgo v2's JSON format (types.Report / types.SpecReport, ginkgo v2.21) ----
@@ -68,7 +68,7 @@ def _results(proxy: str, report: list[dict], subset: str = "full") -> dict:
         "subset": subset,
         "started": "2026-12-01T20:30:00+00:00",
         "seconds": 600,
-        "command": ["python", "-m", "kpr.lab.kube.conformance", "run", "--proxy", proxy],
+        "command": ["python", "-m", "lab.kube.conformance", "run", "--proxy", proxy],
         "e2e_command": ["e2e.test", "--provider=skeleton"],
         "e2e_exit": 1,
         "versions": {"e2e": "v1.34.4", "server": "v1.34.4", "kpr": "abc1234"},

@@ -1,4 +1,4 @@
-"""The lab's cluster DNS (kpr.lab.kube.dns): kubeadm's CoreDNS objects with the lab's values, and
+"""The lab's cluster DNS (lab.kube.dns): kubeadm's CoreDNS objects with the lab's values, and
 the CoreDNS the lab builds answering for Services created through a real API server, as the
 ServiceAccount those objects bind (no kubelet: CoreDNS runs as a process in a namespace of its
 own)."""
@@ -15,10 +15,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from kpr.lab.kube import build, dns, objects
-from kpr.lab.kube.controlplane import CLUSTER_DOMAIN, SERVICE_CIDRS
-from kpr.lab.kube.forward import Forwarder, in_netns
-from kpr.lab.kube.node import CLUSTER_DNS
+from lab.kube import build, dns, objects
+from lab.kube.controlplane import CLUSTER_DOMAIN, SERVICE_CIDRS
+from lab.kube.forward import Forwarder, in_netns
+from lab.kube.node import CLUSTER_DNS
 
 # What kubeadm's manifests.go leaves to its template, with the values it gives them.
 KUBEADM_VALUES = {
@@ -36,7 +36,7 @@ def kubernetes_source() -> Path:
     """The Kubernetes sources in the lab's module cache (the lab's build put them there)."""
     source = build.cache_root() / "go" / "mod" / f"k8s.io/kubernetes@{build.kubernetes_version()}"
     if not (source / "cmd" / "kubeadm").is_dir():
-        pytest.skip(f"no Kubernetes sources at {source} (python -m kpr.lab.kube build)")
+        pytest.skip(f"no Kubernetes sources at {source} (python -m lab.kube build)")
     return source
 
 
@@ -142,7 +142,7 @@ def coredns(kube_bin, control_plane, kubectl, tmp_path_factory):
     """The lab's objects applied; CoreDNS with their Corefile in a network namespace of its own,
     reaching the API server (through a forwarder) as their ServiceAccount. Yields the
     namespace's path."""
-    from kpr.lab.netns import _delete_netns, _ip_batch, _run
+    from lab.netns import _delete_netns, _ip_batch, _run
 
     directory = tmp_path_factory.mktemp("coredns")
     dns.apply(kubectl, dns.image_reference())

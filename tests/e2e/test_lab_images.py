@@ -1,4 +1,4 @@
-"""kpr.lab.kube.images: the lab's container images, built with no registry, imported into a
+"""lab.kube.images: the lab's container images, built with no registry, imported into a
 containerd of the test's own (own root, state and socket; not the machine's) and run there as
 the kubelet's runtime would run them."""
 
@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from kpr.lab.kube import build, dns, images
+from lab.kube import build, dns, images
 
 IDS = itertools.count()
 
@@ -42,9 +42,7 @@ class Built:
 
     def reference(self, name: str) -> str:
         if self.references[name] not in self.archives:
-            pytest.skip(
-                f"{name} not built: the lab's binaries are not (python -m kpr.lab.kube build)"
-            )
+            pytest.skip(f"{name} not built: the lab's binaries are not (python -m lab.kube build)")
         return self.references[name]
 
 

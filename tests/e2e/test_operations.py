@@ -99,7 +99,7 @@ def doc_block(section: str, holding: str) -> str:
 
 @dataclass
 class Lab:
-    cluster: object  # kpr.lab.kube.cluster.RealCluster
+    cluster: object  # lab.kube.cluster.RealCluster
     overlay: Path
     previous_tree: Path
     service_ip: str = ""
@@ -150,7 +150,7 @@ class Lab:
 
     def write_overlay(self, image: str, deploy: Path) -> None:
         """The lab's overlay (what a user sets) of `deploy`, with `image`."""
-        from kpr.lab.kube.cluster import overlay
+        from lab.kube.cluster import overlay
 
         overlay(self.overlay, self.cluster.plane.advertised_url, image)
         path = self.overlay / "kustomization.yaml"
@@ -300,8 +300,8 @@ def _previous_tree(directory: Path) -> Path:
 def lab(kube_bin, tmp_path_factory):
     if os.geteuid() != 0:
         pytest.skip("needs root: the lab's nodes are network namespaces with kubelets")
-    from kpr.lab.kube import images
-    from kpr.lab.kube.cluster import RealCluster
+    from lab.kube import images
+    from lab.kube.cluster import RealCluster
 
     directory = tmp_path_factory.mktemp("operations")
     tree = _previous_tree(directory)
@@ -361,7 +361,7 @@ def _workload(lab: Lab) -> None:
 def _clients(lab: Lab) -> None:
     """A client pod on each node (new pods: new addresses, so none of the node's conntrack
     entries of earlier clients applies to theirs)."""
-    from kpr.lab.kube.images import KPR_IMAGE
+    from lab.kube.images import KPR_IMAGE
 
     clients = [
         {
@@ -454,7 +454,7 @@ def test_remove_kpr_leaves_nothing_on_the_nodes_and_services_are_no_longer_serve
 def test_migrate_from_kube_proxy_drops_no_connection(lab):
     """kube-proxy as kubeadm installs it; then "Migrate an existing cluster from kube-proxy",
     steps 1 to 4 (iptables mode), while the clients connect."""
-    from kpr.lab.kube import kube_proxy
+    from lab.kube import kube_proxy
 
     kube_proxy.install(lab.cluster)
     installed = time.time()
@@ -491,7 +491,7 @@ def test_migrate_from_kube_proxy_drops_no_connection(lab):
 
 def test_roll_back_to_kube_proxy_drops_no_connection_and_leaves_nothing_of_kpr(lab):
     """ "Roll back to kube-proxy", with the backup the migration's step 1 made."""
-    from kpr.lab.kube import kube_proxy
+    from lab.kube import kube_proxy
 
     section = "Roll back to kube-proxy"
     started = time.time()

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 
-from kpr.lab.kube import objects
+from lab.kube import objects
 from tests.support.kubelab import Agent, Kube, eventually
 
 KPR_USER = "system:serviceaccount:kube-system:kpr"

@@ -18,7 +18,7 @@ import uuid
 
 import pytest
 
-from kpr.lab.kube import objects
+from lab.kube import objects
 from tests.support.kubelab import Agent, Kube, eventually
 
 LOOP_SECONDS = 30.0
@@ -55,7 +55,7 @@ class SteadyClient:
     """Connections to a Service in a loop for LOOP_SECONDS; `failures()` when done."""
 
     def __init__(self, kube: Kube, vip: str) -> None:
-        argv = [sys.executable, "-m", "kpr.lab.probe", "loop-tcp", vip, "80"]
+        argv = [sys.executable, "-m", "lab.probe", "loop-tcp", vip, "80"]
         self.process = kube.lab.popen_client(
             [*argv, "--duration", str(LOOP_SECONDS)], stdout=subprocess.PIPE, text=True
         )

@@ -1,5 +1,5 @@
 """Traffic from outside the node, with the Services and slices of the real API server: a
-two-node lab (kpr.lab.cluster), one kpr per node in the node's network namespace reaching the
+two-node lab (lab.cluster), one kpr per node in the node's network namespace reaching the
 API server through a forwarder on the node's loopback, an external client on the node network.
 externalTrafficPolicy Local keeps the client's address and drops where no endpoint is local;
 the healthCheckNodePort the API server allocated answers per node; Cluster policy reaches
@@ -18,9 +18,9 @@ from pathlib import Path
 import pytest
 
 from kpr.agent import runstate
-from kpr.lab.cluster import Cluster
-from kpr.lab.kube import objects
-from kpr.lab.kube.forward import Forwarder
+from lab.cluster import Cluster
+from lab.kube import objects
+from lab.kube.forward import Forwarder
 from tests.support.kubelab import Kube, eventually
 
 CLIENT = "192.168.50.100"

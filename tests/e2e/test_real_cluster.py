@@ -1,7 +1,7 @@
 """kpr on a real cluster: two kubelet + containerd nodes, pods with CNI addresses scheduled by
 kube-scheduler, no kube-proxy, kpr installed from deploy/ (`kubectl apply -k` of the lab's
 overlay) running the image deploy/Dockerfile builds; then Kubernetes' own sig-network
-[Conformance] Service tests against it (kpr.lab.kube.conformance)."""
+[Conformance] Service tests against it (lab.kube.conformance)."""
 
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ def cluster(kube_bin, tmp_path_factory):
     for tool in ("containerd", "runc", "ctr", "buildah", "debootstrap"):
         if shutil.which(tool) is None:
             pytest.skip(f"the real-node lab needs {tool} (make test installs it)")
-    from kpr.lab.kube.cluster import RealCluster
+    from lab.kube.cluster import RealCluster
 
     with RealCluster(tmp_path_factory.mktemp("cluster"), nodes=2, proxy="kpr") as made:
         yield made
@@ -354,7 +354,7 @@ def last_lines(cluster, pod: str) -> list[str]:
 def test_upstream_sig_network_conformance_service_tests_pass(cluster, tmp_path):
     """The 17 `[sig-network] Services ... [Conformance]` tests of the e2e binary from the same
     build, run from the control plane's namespace (as the suite runs beside a cluster)."""
-    from kpr.lab.kube import conformance
+    from lab.kube import conformance
 
     results = conformance.run(
         kubeconfig=cluster.netns_kubeconfig,

@@ -20,7 +20,7 @@ import time
 
 import pytest
 
-from kpr.lab.netns import Lab
+from lab.netns import Lab
 from tests.support.agent import KPR, status_json
 from tests.support.apiserver import TestApiServer
 from tests.support.reliability import (

@@ -18,7 +18,7 @@ from kpr.agent import runstate
 from kpr.datapath import abi, loader
 from kpr.datapath.abi import PIN_PREFIX
 from kpr.datapath.maps import BpfMaps
-from kpr.lab.netns import Lab
+from lab.netns import Lab
 from tests.support import kube
 from tests.support.agent import (
     KPR,
@@ -48,7 +48,7 @@ def loop_client(lab: Lab, seconds: float) -> subprocess.Popen:
     argv = [
         sys.executable,
         "-m",
-        "kpr.lab.probe",
+        "lab.probe",
         "loop-tcp",
         VIP4,
         "80",
@@ -424,7 +424,7 @@ def test_node_ports_answer_on_localhost_and_local_binds_cannot_shadow_them(lab, 
     agent.start()
     agent.wait_synced()
     # localhostNodePorts (kube-proxy's default): processes on the node reach 127.0.0.1:nodePort
-    argv = [sys.executable, "-m", "kpr.lab.probe", "tcp", "127.0.0.1", "30080", "--count", "5"]
+    argv = [sys.executable, "-m", "lab.probe", "tcp", "127.0.0.1", "30080", "--count", "5"]
     results = json.loads(lab.run_client(argv).stdout)["results"]
     assert {r.get("pod") for r in results} == {lab.pods[1].name}, results
     taken = lab.run_client([sys.executable, "-c", BIND, "30080"])

@@ -16,9 +16,9 @@ import pytest
 from kpr.agent.loop import Agent, AgentConfig
 from kpr.datapath.abi import MapSizes
 from kpr.datapath.maps import BpfMaps
-from kpr.lab.netns import Lab
 from kpr.model import NodeContext
 from kpr.sources.manifests import ManifestSource
+from lab.netns import Lab
 from tests.support import kube
 from tests.support.agent import POD_PORTS, PORTS, VIP4, VIP6
 
@@ -49,7 +49,7 @@ class Cluster:
         self.agent.sync(snapshot)
 
     def probe(self, *args: str | int) -> list[dict]:
-        argv = [sys.executable, "-m", "kpr.lab.probe", *map(str, args)]
+        argv = [sys.executable, "-m", "lab.probe", *map(str, args)]
         result = self.lab.run_client(argv)
         assert result.returncode == 0, result.stderr
         return json.loads(result.stdout)["results"]
@@ -231,7 +231,7 @@ def test_internal_policy_local_with_endpoints_only_elsewhere_refuses_at_once(clu
 def test_the_paired_latency_client_connects_from_each_sides_cgroup(cluster):
     # what `kpr bench` relies on for kpr's ratios: side a (the baseline cgroup) never meets
     # kpr's programs, side b (the lab's cgroup) always does, though one process runs both
-    from kpr.lab.latency import measure_paired
+    from lab.latency import measure_paired
 
     cluster.echo(pods=[])  # kpr refuses; without kpr there is no route to the ClusterIP
     lab = cluster.lab
@@ -278,7 +278,7 @@ def test_removed_backend_gets_no_new_connections(cluster):
 def test_endpoint_churn_never_fails_a_connect(cluster):
     cluster.echo()
     client = cluster.lab.popen_client(
-        [sys.executable, "-m", "kpr.lab.probe", "loop-tcp", VIP4, "80", "--duration", "4"],
+        [sys.executable, "-m", "lab.probe", "loop-tcp", VIP4, "80", "--duration", "4"],
         stdout=-1,
         text=True,
     )
@@ -324,7 +324,7 @@ def test_without_affinity_one_client_spreads_over_backends(cluster):
 
 def test_connected_udp_clients_move_off_a_removed_backend(cluster):
     cluster.echo(pods=[0])
-    argv = [sys.executable, "-m", "kpr.lab.probe", "loop-udp-connected", VIP4, "53"]
+    argv = [sys.executable, "-m", "lab.probe", "loop-udp-connected", VIP4, "53"]
     client = cluster.lab.popen_client([*argv, "--duration", "3"], stdout=-1, text=True)
     time.sleep(1.0)
     cluster.echo(pods=[1])  # pod-0 keeps running: only kpr can move the client
@@ -336,7 +336,7 @@ def test_connected_udp_clients_move_off_a_removed_backend(cluster):
 
 def test_connected_udp_clients_of_remaining_backends_are_left_alone(cluster):
     cluster.echo(pods=[0, 1])
-    argv = [sys.executable, "-m", "kpr.lab.probe", "loop-udp-connected", VIP4, "53"]
+    argv = [sys.executable, "-m", "lab.probe", "loop-udp-connected", VIP4, "53"]
     client = cluster.lab.popen_client([*argv, "--duration", "2.5"], stdout=-1, text=True)
     time.sleep(0.8)
     first = None

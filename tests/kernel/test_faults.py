@@ -19,7 +19,7 @@ import time
 import pytest
 
 from kpr.datapath import abi, bpfsys, loader
-from kpr.lab.netns import Lab
+from lab.netns import Lab
 from tests.support.agent import KPR, status_json
 from tests.support.apiserver import TestApiServer
 from tests.support.reliability import (
@@ -377,7 +377,7 @@ def test_every_hook_detached_behind_the_agents_back_is_attached_again(lab, api, 
     print(f"\ndetach: all {len(loader.HOOKS)} hooks detached; attached again after {gap:.2f}s")
     assert kpr_programs_attached(lab.cgroup) == {h.pin: 1 for h in loader.HOOKS}
     for vip in (STABLE_VIP, STABLE_VIP6):
-        argv = [sys.executable, "-m", "kpr.lab.probe", "tcp", vip, "80", "--count", "10"]
+        argv = [sys.executable, "-m", "lab.probe", "tcp", vip, "80", "--count", "10"]
         results = json.loads(lab.run_client(argv).stdout)["results"]
         assert all("pod" in r for r in results), (vip, results)
         assert all(r["peer"].startswith(("10.96", "[fd00:96")) for r in results)  # getpeername

@@ -14,10 +14,10 @@ from pathlib import Path
 
 import pytest
 
-from kpr.lab import netns
-from kpr.lab.latency import measure
-from kpr.lab.netns import Lab, cleanup_stale
 from kpr.node.host import cgroup2_root
+from lab import netns
+from lab.latency import measure
+from lab.netns import Lab, cleanup_stale
 
 PREFIX = "kprtest"
 FAMILIES = ["ipv4", "ipv6"]
@@ -47,7 +47,7 @@ def _leftovers(lab_id: str) -> list[str]:
 
 
 def _probe(lab: Lab, *args: str) -> dict:
-    done = lab.run_client([sys.executable, "-m", "kpr.lab.probe", *args], timeout=30)
+    done = lab.run_client([sys.executable, "-m", "lab.probe", *args], timeout=30)
     assert done.returncode == 0, done.stderr
     return json.loads(done.stdout)
 
@@ -214,7 +214,7 @@ def test_set_up_failing_midway_cleans_up_what_it_made(monkeypatch: pytest.Monkey
 def test_sigterm_to_a_process_holding_a_lab_cleans_it_up() -> None:
     _skip_unless_netns_works()
     script = (
-        "import time\nfrom kpr.lab.netns import Lab\n"
+        "import time\nfrom lab.netns import Lab\n"
         f"with Lab(pods=1, prefix={PREFIX!r}) as lab:\n"
         "    print(lab.lab_id, flush=True)\n"
         "    time.sleep(60)\n"

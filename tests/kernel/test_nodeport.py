@@ -38,7 +38,7 @@ def cluster():
     skip_unless_kernel_ready()
     if shutil.which("nsenter") is None:
         pytest.skip("nsenter (util-linux) is needed to run an agent in a node's netns")
-    from kpr.lab.cluster import Cluster
+    from lab.cluster import Cluster
 
     with Cluster(nodes=2, pods=2) as lab:
         yield lab
@@ -214,7 +214,7 @@ def test_status_shows_the_devices_and_the_external_frontends(cluster, agents):
 def test_processes_on_the_node_reach_node_ports_at_the_socket(cluster, agents):
     n1, n2 = cluster.nodes
     for address in (str(n1.ipv4), "127.0.0.1"):
-        argv = [sys.executable, "-m", "kpr.lab.probe", "tcp", address, "30080", "--count", "20"]
+        argv = [sys.executable, "-m", "lab.probe", "tcp", address, "30080", "--count", "20"]
         results = json.loads(n1.lab.run_client(argv).stdout)["results"]
         # translated at connect(): the pod sees the node's own address, any backend serves
         assert {r.get("pod") for r in results} == {n1.lab.pods[0].name, n2.lab.pods[0].name}
@@ -323,7 +323,7 @@ def start_flows(cluster) -> dict[str, subprocess.Popen]:
 
     def flow(address: str, port: int) -> list[str]:
         return [
-            *(sys.executable, "-m", "kpr.lab.probe", "udp-flow", address, str(port)),
+            *(sys.executable, "-m", "lab.probe", "udp-flow", address, str(port)),
             *("--source-port", str(next(source_ports)), "--duration", "3"),
         ]
 

@@ -30,7 +30,7 @@ def cluster(request):
     skip_unless_kernel_ready()
     if shutil.which("nsenter") is None or shutil.which("bridge") is None:
         pytest.skip("nsenter (util-linux) and bridge (iproute2) are needed")
-    from kpr.lab.cluster import Cluster
+    from lab.cluster import Cluster
 
     try:
         lab = Cluster(nodes=2, pods=1, prefix="kprov", pod_network=request.param)

@@ -11,7 +11,7 @@ import sys
 import time
 from collections.abc import Callable
 
-from kpr.lab.netns import Lab
+from lab.netns import Lab
 from tests.support import kube, scripted
 from tests.support.apiserver import TestApiServer
 from tests.support.scripted import free_port
@@ -31,7 +31,7 @@ def echo(api: TestApiServer, lab: Lab, pods=(0, 1, 2)) -> None:
 
 def reached(lab: Lab, count: int = 20) -> set[str]:
     out = lab.run_client(
-        [sys.executable, "-m", "kpr.lab.probe", "tcp", VIP, "80", "--count", str(count)]
+        [sys.executable, "-m", "lab.probe", "tcp", VIP, "80", "--count", str(count)]
     )
     return {r.get("pod") or r["error"] for r in json.loads(out.stdout)["results"]}
 

@@ -18,7 +18,7 @@ import pytest
 import yaml
 
 from kpr.agent import runstate
-from kpr.lab.netns import Lab
+from lab.netns import Lab
 from tests.support import kube, scripted
 from tests.support.agent import status_json
 from tests.support.apiserver import TestApiServer
@@ -32,7 +32,7 @@ LB_IP = "192.0.2.10"
 
 
 def connect(lab: Lab, address: str, count: int = 5) -> list[dict]:
-    argv = [sys.executable, "-m", "kpr.lab.probe", "tcp", address, "80", "--count", str(count)]
+    argv = [sys.executable, "-m", "lab.probe", "tcp", address, "80", "--count", str(count)]
     return json.loads(lab.run_client(argv).stdout)["results"]
 
 

@@ -19,8 +19,8 @@ import pytest
 
 from kpr.agent import runstate
 from kpr.datapath import loader, sockets
-from kpr.lab.netns import Lab
 from kpr.model import Backend
+from lab.netns import Lab
 from tests.support.agent import VIP4, echo
 
 KPR = [sys.executable, "-m", "kpr.cli"]
@@ -216,7 +216,7 @@ def test_confined_agent_destroys_a_pods_connected_udp_socket_to_a_removed_backen
     )
     argv = [
         "nsenter", f"--net={client_netns}",
-        sys.executable, "-m", "kpr.lab.probe", "loop-udp-connected", VIP4, "53",
+        sys.executable, "-m", "lab.probe", "loop-udp-connected", VIP4, "53",
         "--duration", "4",
     ]  # fmt: skip
     options = lab._client_options({"stdout": subprocess.PIPE, "text": True})

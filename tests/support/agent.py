@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 from kpr.agent import runstate
-from kpr.lab.netns import Lab
+from lab.netns import Lab
 from tests.support import kube
 
 VIP4, VIP6 = "10.96.0.10", "fd00:96::10"
@@ -78,7 +78,7 @@ class AgentProcess:
 
 def tcp_results(lab: Lab, count: int) -> list[dict]:
     """`count` TCP connects to the echo ClusterIP from the lab's client cgroup."""
-    argv = [sys.executable, "-m", "kpr.lab.probe", "tcp", VIP4, "80", "--count", str(count)]
+    argv = [sys.executable, "-m", "lab.probe", "tcp", VIP4, "80", "--count", str(count)]
     return json.loads(lab.run_client(argv).stdout)["results"]
 
 

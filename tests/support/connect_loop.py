@@ -1,7 +1,7 @@
 """A paced TCP client for the reliability tests, run inside a Lab's node netns and cgroup.
 
 It connects round-robin to the given ClusterIP:port targets (each connect reads the pod's
-name, as `kpr.lab.probe tcp` does) until SIGTERM or SIGINT, then prints one JSON object:
+name, as `lab.probe tcp` does) until SIGTERM or SIGINT, then prints one JSON object:
 per target, the connects that reached a pod, which pods, and every failure with its time
 and errno name. Paced (``--interval`` between connects) so that it leaves the machine's
 two cores to the agent under test rather than spinning like `probe loop-tcp`.
@@ -18,7 +18,7 @@ import sys
 import time
 from collections import Counter
 
-from kpr.lab.probe import tcp_once
+from lab.probe import tcp_once
 
 MAX_ERRORS_KEPT = 200  # per target; the count is always exact
 

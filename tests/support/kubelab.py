@@ -1,4 +1,4 @@
-"""Support for tests against the real control plane (kpr.lab.kube): API objects made with the
+"""Support for tests against the real control plane (lab.kube): API objects made with the
 official client, kpr run with nothing but its ServiceAccount token, real connections from the
 lab's client cgroup."""
 
@@ -19,9 +19,9 @@ from pathlib import Path
 from kubernetes import client
 
 from kpr.agent import runstate
-from kpr.lab.kube import objects
-from kpr.lab.kube.controlplane import ControlPlane
-from kpr.lab.netns import Lab
+from lab.kube import objects
+from lab.kube.controlplane import ControlPlane
+from lab.netns import Lab
 
 KPR = [sys.executable, "-m", "kpr.cli"]
 NODE = "node-1"  # the node kpr runs as; its pods are lab pods on node-1 in the API
@@ -140,7 +140,7 @@ class Kube:
     def reached(self, address: str, port: int = 80, count: int = 30, mode: str = "tcp") -> set:
         """The pods (or errors) that `count` fresh connections from the lab client reach."""
         out = self.lab.run_client(
-            [sys.executable, "-m", "kpr.lab.probe", mode, address, str(port), "--count", str(count)]
+            [sys.executable, "-m", "lab.probe", mode, address, str(port), "--count", str(count)]
         )
         assert out.returncode == 0, out.stderr
         return {r.get("pod") or r["error"] for r in json.loads(out.stdout)["results"]}

@@ -23,7 +23,7 @@ from pathlib import Path
 
 from kpr.cli.status import programmed_view, read_programmed
 from kpr.datapath.plan import ProgrammedState
-from kpr.lab.netns import Lab
+from lab.netns import Lab
 from tests.support import kube
 from tests.support.apiserver import TestApiServer
 

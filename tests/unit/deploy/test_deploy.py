@@ -482,8 +482,8 @@ def api_requests() -> set[tuple[str, str, str]]:
 
 
 def api_operations_in_code() -> set[str]:
-    """Every kubernetes client API operation named anywhere in kpr/ but the lab (kpr/lab/kube
-    creates Nodes and Pods in its own control plane with the admin's credentials)."""
+    """Every kubernetes client API operation named anywhere in kpr/ (the lab and the bench,
+    lab/ and bench/ beside it, drive their own API server with the admin's credentials)."""
     from kubernetes import client
 
     operations = {
@@ -495,10 +495,7 @@ def api_operations_in_code() -> set[str]:
         and not name.endswith(("_with_http_info", "_without_preload_content"))
     }
     found = set()
-    bench_feed = ROOT / "kpr" / "bench" / "modes" / "api_feed.py"
     for path in (ROOT / "kpr").rglob("*.py"):
-        if (ROOT / "kpr" / "lab") in path.parents or path == bench_feed:
-            continue  # the lab's and bench's tooling drive their own API server, not as the agent
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.Attribute) and node.attr in operations:
                 found.add(node.attr)
@@ -674,16 +671,33 @@ def test_dockerfile_copies_and_installs_the_package():
     assert venv and f"{venv[1]}/bin" in env, "the venv's kpr is not on PATH"
 
 
+def test_the_image_cache_key_of_the_lab_is_what_the_dockerfile_copies():
+    """The lab's kpr image is rebuilt when what deploy/Dockerfile copies changes, and only
+    then (lab/kube/images.py, KPR_CONTEXT): kpr/ and bpf/, not the lab or the bench."""
+    from lab.kube.images import KPR_CONTEXT
+
+    copied = {
+        source.rstrip("/")
+        for word, rest in dockerfile_instructions()
+        if word == "COPY"
+        for source in rest.split()[:-1]
+    }
+    assert set(KPR_CONTEXT) == {".dockerignore", "deploy/Dockerfile", *copied}
+    assert not {"lab", "bench"} & copied
+
+
 def test_the_package_carries_its_bpf_programs_and_leaves_the_lab_out(tmp_path):
     """What the image installs: a wheel of the tree the Dockerfile copies. BCC compiles
     bpf/ (kpr/bpf/ once installed) from the installed package, so the programs must be in
-    it; the lab's plotting dependency is an extra the agent never needs."""
+    it; the lab's plotting dependency is an extra the agent never needs. Built here from a
+    checkout's tree, lab/ and bench/ beside kpr/ (as `pip install .` of a clone sees them):
+    the wheel holds kpr alone, nothing of the lab, the bench or the lab's Go modules."""
     tree = tmp_path / "src"
     tree.mkdir()
     for name in ("pyproject.toml", "README.md"):
         shutil.copy(ROOT / name, tree / name)
     skipped = shutil.ignore_patterns("__pycache__")
-    for package in ("kpr", "bpf"):
+    for package in ("kpr", "bpf", "lab", "bench"):
         shutil.copytree(ROOT / package, tree / package, ignore=skipped)
     built = subprocess.run(
         [sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(tmp_path), str(tree)],
@@ -696,6 +710,7 @@ def test_the_package_carries_its_bpf_programs_and_leaves_the_lab_out(tmp_path):
     with zipfile.ZipFile(wheel) as zf:
         names = set(zf.namelist())
         (metadata,) = [n for n in names if n.endswith(".dist-info/METADATA")]
+        top_level = zf.read(metadata.replace("/METADATA", "/top_level.txt")).decode()
         requires = [
             line for line in zf.read(metadata).decode().splitlines()
             if line.startswith("Requires-Dist:")
@@ -703,9 +718,15 @@ def test_the_package_carries_its_bpf_programs_and_leaves_the_lab_out(tmp_path):
     programs = sorted(p.name for p in abi.BPF_DIR.iterdir() if p.suffix in (".c", ".h"))
     assert {"kpr.h", "sock_lb.c", "nodeport.c"} <= set(programs)
     assert {f"kpr/bpf/{name}" for name in programs} <= names
-    assert "kpr/agent/loop.py" in names and "kpr/lab/kube/build.py" in names
-    # the lab's and the bench's C tools, compiled from the installed package on first use
-    assert {"kpr/lab/connect_latency.c", "kpr/bench/loadgen.c"} <= names
+    assert "kpr/agent/loop.py" in names and "kpr/cli/main.py" in names
+    # kpr/... (kpr/bpf/ with it) and the wheel's metadata: nothing of lab/ or bench/, no Go
+    dist_info = metadata.split("/")[0]
+    assert {n.split("/")[0] for n in names} == {"kpr", dist_info}, sorted(names)
+    assert top_level.split() == ["kpr"]
+    assert not [n for n in names if n.endswith((".go", "go.mod", "go.sum"))]
+    assert {n for n in names if n.endswith(".c")} == {
+        f"kpr/bpf/{name}" for name in programs if name.endswith(".c")
+    }
     plotting = [r for r in requires if "matplotlib" in r]
     assert plotting and all("extra ==" in r for r in plotting), requires
 
