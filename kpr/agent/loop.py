@@ -210,7 +210,6 @@ class Agent:
         self.maps: BpfMaps | None = None
         self.programmer: Programmer | None = None  # made by start(), with the maps
         self.stale_udp: StaleUdp | None = None  # made by start(), with the maps
-        self.cgroup: Path | None = None
         self.node = config.node
         self.store = DesiredState()  # every Service's translation, merged
         self.source_problems: list[Problem] = []
@@ -244,6 +243,11 @@ class Agent:
         return self.store.translation
 
     @property
+    def cgroup(self) -> Path | None:
+        """The cgroup the hooks are attached to (None until started)."""
+        return self.attachments.cgroup
+
+    @property
     def devices(self) -> DeviceChoice:
         """Where the TC programs serve frontends, and where they are for replies only."""
         return self.attachments.devices
@@ -261,7 +265,7 @@ class Agent:
         _limit_malloc_arenas()
         cfg = self.config
         cgroup = host.require_cgroup2_dir(cfg.cgroup or host.cgroup2_root())
-        self.cgroup = self.attachments.cgroup = cgroup
+        self.attachments.cgroup = cgroup
         host.ensure_bpffs(cfg.pin_dir)
         cfg.pin_dir.chmod(0o700)  # an existing directory too: the pins are root's alone
         self._previous = runstate.load(cfg.pin_dir)

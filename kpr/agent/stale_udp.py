@@ -74,17 +74,23 @@ class StaleUdp:
         """After a sync's writes: `before` is `udp_serving(programmed, touched)` as it was
         before them, `programmed` what the maps hold now."""
         after = udp_serving(programmed, touched)
-        self._forget_flows(before, after, programmed)
+        every: Serving | None = after if touched is None else None  # walked once, if needed
+        if not self._flows_checked and every is None:
+            every = udp_serving(programmed, None)
+        self._forget_flows(before, after, every)
         gone = _all_backends(before) - _all_backends(after)
         if gone:  # (and used by no other UDP frontend either)
-            gone -= _all_backends(udp_serving(programmed, None))
+            if every is None:
+                every = udp_serving(programmed, None)
+            gone -= _all_backends(every)
         if gone and self.cgroup is not None:
             self._terminate(gone)
 
-    def _forget_flows(self, before: Serving, after: Serving, programmed: ProgrammedState) -> None:
+    def _forget_flows(self, before: Serving, after: Serving, every: Serving | None) -> None:
         if not self._flows_checked:
-            # (flows are to EXTERNAL-scope frontends: only those of `serving` are looked up)
-            stale = flows.stale(self.maps.udp_flows(), udp_serving(programmed, None))
+            assert every is not None  # (synced walked every UDP frontend for it)
+            # (flows are to EXTERNAL-scope frontends: only those of `every` are looked up)
+            stale = flows.stale(self.maps.udp_flows(), every)
             self._flows_checked = True
         else:
             shrunk = {
