@@ -8,7 +8,9 @@ writes the frontends they touched, and the runner (runner.py) decides when; obse
 Start-up adopts whatever a previous run left pinned (maps are read, never
 flushed), and the first sync writes only the difference. Afterwards only
 the Services that changed are translated and planned again (a partial
-sync); a full sync every `sync_period` re-reads the maps and repairs drift.
+sync). A full sync every `sync_period` checks that the maps hold what was
+written (digests: a few batch reads, programmer.py `check`); only maps that
+do not are read again, and then every frontend is planned, repairing drift.
 """
 
 from __future__ import annotations
@@ -152,6 +154,7 @@ class Unsaved:
     synced_at: float  # wall clock
     left_out: dict[Frontend, ServiceName]  # they do not fit the maps (their Service)
     left_out_why: str
+    desired: bool = True  # the desired state may have changed: written again
 
 
 def _log_sync(outcome: SyncResult, left_out: dict[Frontend, ServiceName]) -> None:
@@ -226,6 +229,8 @@ class Agent:
         self.kernel_headers: host.KernelHeaders | None = None  # chosen by start()
         self._removed = False  # by `kpr cleanup --force`: programming nothing more
         self._local_endpoints: set | None = None  # as written to kpr_local_endpoints
+        self._node_ports: set[tuple[int, str]] = set()  # as written to kpr_node_ports
+        self._map_fill: dict[str, tuple[int, int]] | None = None  # as of the last full sync
         # pins, the cgroup hooks and the devices' TC programs
         self.attachments = Attachments(
             config.pin_dir, DeviceChoice(config.devices, config.reply_devices)
@@ -398,7 +403,7 @@ class Agent:
 
     def sync(self, snapshot: Snapshot | None, full: bool = False) -> SyncResult:
         """Fold in `snapshot` (if any) and write the difference to the maps; a full
-        sync re-reads the maps first and plans every frontend."""
+        sync checks the maps first, and plans every frontend when they differ."""
         with paused_gc():
             return self._sync(snapshot, full)
 
@@ -414,13 +419,15 @@ class Agent:
                 self.device_watch.changed.set()
         touched = self._translate(snapshot) if snapshot is not None else set()
         full = full or touched is None
-        drift = pins = attachments = 0
-        fill: dict[str, tuple[int, int]] | None = None
+        pins = attachments = 0
+        drift: int | None = None  # frontends found differing by a full sync's check
         if full:
             pins = self.attachments.repair_pins(self.maps)
             attachments = self.attachments.repair()
-            drift = programmer.reread()  # what was written against what the maps hold
-            touched = None
+            drift = self._check_maps(programmer)
+            if drift is not None or programmer.plan_all:
+                touched = None  # every frontend planned again
+        planned_all = touched is None
         problems = self.source_problems + self.desired.problems
         problems_changed = self._report(problems)
         udp_before = udp_serving(programmer.programmed, touched)
@@ -435,23 +442,32 @@ class Agent:
         # NodePorts: the external scope, and 127.0.0.1 at the socket (localhostNodePorts)
         if touched is None or any(f.scope == EXTERNAL or f.address.is_loopback for f in touched):
             self._sync_node_ports()
+        elif full:
+            self.maps.sync_node_ports(self._node_ports)  # (small: read whole, repaired)
         listed = self.source.synced_at
         if self.state.first_sync_after_list is None and listed:
             self.state.first_sync_after_list = time.time() - listed
         left_out, left_out_why = programmer.left_out, programmer.left_out_why
-        if full or written.writes or problems_changed:
+        if planned_all or written.writes or problems_changed:
             # serialising the whole desired state grows with the Services: on
             # the partial path it is left to the run loop, once things are quiet
             self._unsaved = Unsaved(
                 written.failed, problems, time.time(), dict(left_out), left_out_why
             )
-            if full:
+            if planned_all:
                 self._save_state()
+        elif full and self._unsaved is None:
+            # a check that found the maps as written: the time of this sync, nothing more
+            self._unsaved = Unsaved(
+                written.failed, problems, time.time(), dict(left_out), left_out_why, False
+            )
+            self._save_state()
         now = time.time()
         self.last_sync = now
         if full:
             self.last_full = now
-            fill = self._settle(programmer)
+            if planned_all or written.writes or self._map_fill is None:
+                self._map_fill = self._settle(programmer)
         outcome = SyncResult(
             full=full,
             writes=written.writes,
@@ -463,7 +479,7 @@ class Agent:
             trigger_times=[s.trigger_time for s in snapshot.slices if s.trigger_time]
             if snapshot is not None and snapshot.changed is not None
             else [],
-            drift_repaired=drift if written.writes else 0,
+            drift_repaired=drift if drift and written.writes else 0,
             attachments_repaired=attachments,
             pins_repaired=pins,
             node_deleting=self.node_deleting,
@@ -471,7 +487,7 @@ class Agent:
                 sum(internal for internal, _ in self.desired.no_local_endpoints.values()),
                 sum(external for _, external in self.desired.no_local_endpoints.values()),
             ),
-            map_fill=fill,
+            map_fill=self._map_fill if full else None,
             frontends_programmed=len(programmer.programmed.services),
             services_left_out=len(set(left_out.values())),
             frontends_left_out=len(left_out),
@@ -482,6 +498,23 @@ class Agent:
         for observer in self.observers:
             observer.synced(outcome)
         return outcome
+
+    def _check_maps(self, programmer: Programmer) -> int | None:
+        """A full sync's check of the maps against what was written: None when they hold
+        it (the rule: a few batch reads); else they are read again, and how many frontends
+        differ (0: none, a failed write's map was not known) is returned."""
+        differing = programmer.check()
+        if not differing:
+            return None
+        drift = programmer.reread()
+        log.log(
+            logging.WARNING if drift else logging.INFO,
+            "full sync: %s %s not what kpr wrote; read again, %d frontends differ",
+            ", ".join(differing),
+            "is" if len(differing) == 1 else "are",
+            drift,
+        )
+        return drift
 
     def _settle(self, programmer: Programmer) -> dict[str, tuple[int, int]]:
         """After a full sync: the long-lived state kept from the cyclic GC, the maps' fill
@@ -518,12 +551,12 @@ class Agent:
     def _sync_node_ports(self) -> None:
         """What bind() refuses (NodePorts in use) and what the health check servers say."""
         assert self.maps is not None
-        node_ports = {
+        self._node_ports = {
             (f.port, f.protocol)
             for f, state in self.desired.frontends.items()
             if state.kind == "NodePort"
         }
-        self.maps.sync_node_ports(node_ports)
+        self.maps.sync_node_ports(self._node_ports)
         if self.health_checks is not None:
             self.health_problems = self.health_checks.update(self.desired.health_checks)
 
@@ -538,7 +571,9 @@ class Agent:
         if not wait and self.worker.busy("save-state"):
             return  # still writing the previous one; the next loop tries again
         unsaved, self._unsaved = self._unsaved, None
-        desired = Translation(dict(self.desired.frontends), set(self.desired.held))
+        desired = None
+        if unsaved is not None and unsaved.desired:
+            desired = Translation(dict(self.desired.frontends), set(self.desired.held))
         watches = self.source.status()
         node = node_record(self.node)  # the zone may have changed
 

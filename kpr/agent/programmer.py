@@ -3,9 +3,10 @@
 One job: given the desired state and the frontends a sync touched, write the difference
 (kpr/datapath/plan.py) in the reader-safe order (kpr/datapath/maps.py `execute`), leaving
 out before anything is written whole Services that do not fit the maps
-(kpr/datapath/capacity.py). It holds what the maps hold (`programmed`), as written, and
-reads the maps again when a full sync asks (`reread`), which is how drift made behind
-kpr's back is found and then repaired by the next write.
+(kpr/datapath/capacity.py). It holds what the maps hold (`programmed`), as written. A
+full sync checks that the maps still hold it (`check`: digests, a few batch reads, no
+object per entry), and only when they do not reads them again (`reread`): that is how
+drift made behind kpr's back is found and then repaired by the next write.
 """
 
 from __future__ import annotations
@@ -54,6 +55,18 @@ class Programmer:
         # desired frontends left out as they do not fit the maps (their Service), and why
         self.left_out: dict[Frontend, ServiceName] = {}
         self.left_out_why = ""
+        self.incomplete = False  # the last write failed in part: plan everything again
+
+    def check(self) -> list[str]:
+        """The maps that may not hold what was written (drift, or a failed write), which a
+        full sync reads again (`reread`); none, the rule, is nothing to read or plan."""
+        return self.maps.unverified()
+
+    @property
+    def plan_all(self) -> bool:
+        """Whether the next full sync plans every frontend, even if the maps hold what was
+        written: a failed write to retry, Services left out that may fit now."""
+        return self.incomplete or bool(self.left_out)
 
     def reread(self) -> int:
         """Read the maps again (a full sync): how many frontends differ from what was
@@ -95,6 +108,8 @@ class Programmer:
             self.programmed = self.maps.read()
         else:
             apply_plan(self.programmed, steps)
+        # (until a write of everything succeeds: a partial one retries only what it touched)
+        self.incomplete = bool(result.failed) or (self.incomplete and touched is not None)
         return Written(steps.writes(), set(result.failed), bool(checked.left_out))
 
     def _record_left_out(self, checked: Fit, touched: set[Frontend] | None) -> None:

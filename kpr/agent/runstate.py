@@ -151,7 +151,7 @@ class RunState:
 
     def record(
         self,
-        translation: Translation,
+        translation: Translation | None,  # None: unchanged since the last record
         failed: set[Frontend],
         problems: list[Problem],
         synced_at: float,
@@ -159,9 +159,10 @@ class RunState:
         left_out_why: str = "",
     ) -> None:
         self.last_sync = synced_at
-        desired = {str(f): _state(s) for f, s in sorted(translation.frontends.items())}
-        _write_atomically(desired_path(Path(self.pin_dir)), desired)
-        self.held = sorted(str(f) for f in translation.held)
+        if translation is not None:
+            desired = {str(f): _state(s) for f, s in sorted(translation.frontends.items())}
+            _write_atomically(desired_path(Path(self.pin_dir)), desired)
+            self.held = sorted(str(f) for f in translation.held)
         self.problems = [str(p) for p in problems]
         self.failed = sorted(str(f) for f in failed)
         self.left_out = sorted(str(f) for f in left_out or {})

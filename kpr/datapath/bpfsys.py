@@ -251,6 +251,17 @@ class PinnedMap:
             yield next_key
             key, next_key = ct.byref(next_key), self.key_type()
 
+    def lookup_packed(self, key: bytes) -> bytes | None:
+        """The packed value of a packed key; None: no such entry."""
+        value = ct.create_string_buffer(self.info.value_size)
+        ret = _libbpf.bpf_map_lookup_elem(self.fd, key, value)
+        if ret < 0:
+            code = -ret if ret != -1 else ct.get_errno()
+            if code == errno.ENOENT:
+                return None
+            _check(ret, f"look up in {self.name}")
+        return value.raw
+
     def update_packed(self, key: bytes, value: bytes) -> None:
         _check(_libbpf.bpf_map_update_elem(self.fd, key, value, BPF_ANY), f"write to {self.name}")
 

@@ -20,6 +20,8 @@ from pathlib import Path
 from typing import NamedTuple, Protocol
 
 from kpr.datapath import abi, bpfsys, flows
+from kpr.datapath.digest import combine, digest
+from kpr.datapath.expected import Expected
 from kpr.datapath.plan import (
     Master,
     Plan,
@@ -78,6 +80,10 @@ class Maps(Protocol):
     def write_source_ranges(self, entries: dict[SourceRange, Frontend]) -> WriteResult: ...
     def delete_source_ranges(self, entries: set[SourceRange]) -> None: ...
     def write_slot_blocks(self, entries: dict[int, list[int]]) -> WriteResult: ...
+    def unverified(self) -> list[str]:
+        """The maps that may not hold what was read and written since (drift made behind
+        kpr's back, or a write that failed): `read` them again. A check far cheaper than
+        reading them."""
 
 
 def slot_blocks(services: Iterable[ProgrammedService]) -> dict[int, list[int]]:
@@ -216,6 +222,24 @@ class MemoryMaps:
         self.ranges: dict[SourceRange, Frontend] = {}
         self.blocks: dict[int, list[int]] = {}
         self.check = check
+        self.written = self._copy()  # what kpr read and wrote since: `unverified`
+
+    def _tables(self) -> dict[str, dict]:
+        return {
+            "services": self.services,
+            "slots": self.slots,
+            "backends": self.backends,
+            "revnat": self.revnat,
+            "ranges": self.ranges,
+            "blocks": self.blocks,
+        }
+
+    def _copy(self) -> dict[str, dict]:
+        return {name: dict(table) for name, table in self._tables().items()}
+
+    def unverified(self) -> list[str]:
+        tables = self._tables()
+        return [name for name, table in self.written.items() if tables[name] != table]
 
     def _checked(self) -> None:
         if self.check:
@@ -229,10 +253,15 @@ class MemoryMaps:
                 result.errors.append(f"map full ({self.capacity} entries)")
                 continue
             table[key] = value
+            self._shadow(table)[key] = value
             self._checked()
         return result
 
+    def _shadow(self, table: dict) -> dict:
+        return next(self.written[n] for n, t in self._tables().items() if t is table)
+
     def read(self) -> ProgrammedState:
+        self.written = self._copy()
         return decode(self.services, self.slots, self.backends, self.revnat, self.ranges)
 
     def write_backends(self, entries: dict[int, Backend]) -> WriteResult:
@@ -256,8 +285,10 @@ class MemoryMaps:
         return self._write(self.revnat, entries)
 
     def _delete(self, table: dict, keys) -> None:
+        shadow = self._shadow(table)
         for key in keys:
             table.pop(key, None)
+            shadow.pop(key, None)
             self._checked()
 
     def delete_masters(self, frontends: list[Frontend]) -> None:
@@ -281,7 +312,7 @@ class MemoryMaps:
     def write_slot_blocks(self, entries: dict[int, list[int]]) -> WriteResult:
         # an array: every index exists, nothing to fill up
         for sid, slots in entries.items():
-            self.blocks[sid] = list(slots)
+            self.blocks[sid] = self.written["blocks"][sid] = list(slots)
             self._checked()
         return WriteResult()
 
@@ -466,6 +497,21 @@ def _label(key: object, owners: Owners | None = None) -> str:
     return f"id {key}"
 
 
+# the maps a full sync checks by digest (kpr/datapath/expected.py): all kpr writes and the
+# programs only read, but kpr_source_ranges (an LPM trie, without batch reads: a set of
+# keys) and the small ones synced whole (kpr_node_ports, kpr_local_endpoints)
+CHECKED = (
+    "kpr_services4",
+    "kpr_services6",
+    "kpr_backends4",
+    "kpr_backends6",
+    "kpr_revnat4",
+    "kpr_revnat6",
+    "kpr_slots",
+    "kpr_slot_blocks",
+)
+
+
 class BpfMaps:
     """The pinned kernel maps of one pin directory."""
 
@@ -479,6 +525,14 @@ class BpfMaps:
             self.maps[spec.name] = bpfsys.PinnedMap.open(path, spec.key, spec.value)
         # held open so a pin removed behind kpr's back can be put back (`repin`)
         self.sock_peer_fd = bpfsys.obj_get(pin_dir / abi.SOCK_PEER_PIN)
+        self.expected = Expected(self.maps, CHECKED)  # known once read
+        self.expected_ranges: set[bytes] | None = None  # kpr_source_ranges' packed keys
+
+    def unverified(self) -> list[str]:
+        differing = self.expected.differing()
+        if self.expected_ranges is None or self._range_keys() != self.expected_ranges:
+            differing.append("kpr_source_ranges")
+        return differing
 
     def close(self) -> None:
         for m in self.maps.values():
@@ -497,10 +551,19 @@ class BpfMaps:
                 restored.append(pin)
         return restored
 
-    def _family(self, base: str, version: int) -> bpfsys.PinnedMap:
-        return self.maps[f"kpr_{base}{version}"]
+    def _dump(self, name: str, seen: dict[str, int]) -> Iterator[tuple[bytes, bytes, int]]:
+        """A map's entries in batches, their digest summed up in `seen`."""
+        pinned = self.maps[name]
+        key_size, value_size = pinned.info.key_size, pinned.info.value_size
+        seen[name] = 0
+        for keys, values, count in pinned.dump():
+            seen[name] = combine(seen[name], digest(keys, values, key_size, value_size))
+            yield keys, values, count
 
     def read(self) -> ProgrammedState:
+        """Everything the service, slot, backend and reverse maps hold, decoded; and, as
+        it was read, taken as what they should hold (`unverified`)."""
+        seen = self.expected.current(["kpr_slot_blocks"])  # (not decoded: written whole)
         masters: dict[Frontend, ServiceEntry] = {}
         backends: dict[int, Backend] = {}
         revnat: dict[int, tuple] = {}
@@ -508,30 +571,32 @@ class BpfMaps:
         for version in (4, 6):
             key_layout = abi.FRONTEND4_KEY if version == 4 else abi.FRONTEND6_KEY
             address_layout = abi.BACKEND4 if version == 4 else abi.BACKEND6
-            for keys, values, _ in self._family("services", version).dump():
+            for keys, values, _ in self._dump(f"kpr_services{version}", seen):
                 for (address, port, protocol, scope), value in zip(
                     key_layout.iter_unpack(keys), abi.SERVICE_VALUE.iter_unpack(values), strict=True
                 ):
                     name = protocols.get(protocol, str(protocol))
                     frontend = Frontend(ip_address(address), port, name, scope)
                     masters[frontend] = ServiceEntry(*value)
-            for keys, values, _ in self._family("backends", version).dump():
+            for keys, values, _ in self._dump(f"kpr_backends{version}", seen):
                 for (bid,), (address, port) in zip(
                     abi.ID.iter_unpack(keys), address_layout.iter_unpack(values), strict=True
                 ):
                     backends[bid] = Backend(ip_address(address), port)
-            for keys, values, _ in self._family("revnat", version).dump():
+            for keys, values, _ in self._dump(f"kpr_revnat{version}", seen):
                 for (sid,), (address, port) in zip(
                     abi.ID.iter_unpack(keys), address_layout.iter_unpack(values), strict=True
                 ):
                     revnat[sid] = (ip_address(address), port)
         slots: dict[SlotRef, int] = {}
-        for keys, values, _ in self.maps["kpr_slots"].dump():
+        for keys, values, _ in self._dump("kpr_slots", seen):
             for key, (bid,) in zip(
                 abi.SLOT_KEY.iter_unpack(keys), abi.ID.iter_unpack(values), strict=True
             ):
                 slots[key] = bid
-        state = decode(masters, slots, backends, {}, self.read_source_ranges())
+        ranges = self.read_source_ranges()
+        self.expected.settle(seen)
+        state = decode(masters, slots, backends, {}, ranges)
         by_id = {s.service_id: f for f, s in state.services.items()}
         for sid, (address, port) in revnat.items():
             full = by_id.get(sid)
@@ -548,9 +613,13 @@ class BpfMaps:
         result = WriteResult()
         for name, batch in batches.items():
             pinned = self.maps[name]
+            keys, values = bytes(batch.keys), bytes(batch.values)
+            replaced = self.expected.before(name, keys)
             try:
-                pinned.update_batch(bytes(batch.keys), bytes(batch.values), len(batch.labels))
+                pinned.update_batch(keys, values, len(batch.labels))
+                self.expected.after(name, replaced, keys, values)
             except OSError as err:
+                self.expected.forget(name)  # some written, some not
                 log.warning("%s; writing entries one by one", err)
                 for key, value, label in batch.entries():
                     try:
@@ -564,11 +633,14 @@ class BpfMaps:
     def _delete(self, batches: dict[str, _Packed]) -> None:
         for name, batch in batches.items():
             pinned = self.maps[name]
+            keys = bytes(batch.keys)
+            replaced = self.expected.before(name, keys)
             try:
-                pinned.delete_batch(bytes(batch.keys), len(batch.labels))
+                pinned.delete_batch(keys, len(batch.labels))
             except OSError:
                 for key, _, _ in batch.entries():  # a key already gone fails the whole batch
                     pinned.delete_packed(key)
+            self.expected.after(name, replaced, keys, b"")
 
     def write_backends(self, entries: dict[int, Backend]) -> WriteResult:
         return self._write(_pack_addresses("backends", entries))
@@ -665,22 +737,33 @@ class BpfMaps:
             count += 1
         return count
 
+    def _range_keys(self) -> set[bytes]:
+        return {bytes(key) for key in self.maps["kpr_source_ranges"].all_keys()}
+
     def read_source_ranges(self) -> list[SourceRange]:
+        """What kpr_source_ranges holds; and, as it was read, what it should hold."""
         out = []
-        for key in self.maps["kpr_source_ranges"].all_keys():
+        keys = self.maps["kpr_source_ranges"].all_keys()
+        read: set[bytes] = set()
+        for key in keys:
+            read.add(bytes(key))
             length = key.prefixlen - 32
             address = ip_address(bytes(key.address))
             if length <= 32 and not any(bytes(key.address)[4:]):
                 address = ip_address(bytes(key.address)[:4])  # IPv4 in the first 4 bytes
             out.append((key.service_id, ip_network((address, length), strict=False)))
+        self.expected_ranges = read
         return out
 
     def write_source_ranges(self, entries: dict[SourceRange, Frontend]) -> WriteResult:
         result = WriteResult()
         pinned = self.maps["kpr_source_ranges"]
         for key in entries:
+            packed = _pack_range(key)
             try:
-                pinned.update_packed(_pack_range(key), b"\x01")
+                pinned.update_packed(packed, b"\x01")
+                if self.expected_ranges is not None:
+                    self.expected_ranges.add(packed)
             except OSError as err:
                 result.failed.add(key)
                 result.errors.append(f"{pinned.name}: {_why(err)} (service {key[0]} {key[1]})")
@@ -688,7 +771,10 @@ class BpfMaps:
 
     def delete_source_ranges(self, entries: set[SourceRange]) -> None:
         for key in entries:
-            self.maps["kpr_source_ranges"].delete_packed(_pack_range(key))
+            packed = _pack_range(key)
+            self.maps["kpr_source_ranges"].delete_packed(packed)
+            if self.expected_ranges is not None:
+                self.expected_ranges.discard(packed)
 
     def stats(self) -> dict[str, int]:
         """Outcome counters summed over CPUs."""

@@ -144,10 +144,18 @@ def assign_slots(current: list[int], wanted: list[int]) -> list[int]:
     """The new slot order: keep surviving backends where they are, put new ones in
     the holes, then fill remaining holes from the tail. Few slots change, so
     clients mid-update mostly see the slots they would have seen anyway."""
-    wanted_set = set(wanted)
-    slots: list[int | None] = [b if b in wanted_set else None for b in current]
-    present = {b for b in slots if b is not None}
-    additions = [b for b in wanted if b not in present]
+    # each wanted backend kept in as many slots as it is wanted in: a slot that names
+    # one more often (drift written behind kpr's back) is a hole like a removed backend's
+    left = Counter(wanted)
+    slots: list[int | None] = []
+    for b in current:
+        slots.append(b if left[b] > 0 else None)
+        left[b] -= 1
+    additions = []
+    for b in wanted:
+        if left[b] > 0:
+            additions.append(b)
+            left[b] -= 1
     for i, slot in enumerate(slots):
         if slot is None and additions:
             slots[i] = additions.pop(0)

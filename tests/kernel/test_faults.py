@@ -386,3 +386,81 @@ def test_every_hook_detached_behind_the_agents_back_is_attached_again(lab, api, 
     # counted as the README says (logged and counted)
     repaired = agent.metric('kpr_drift_repairs_total{object="attachment"}')
     assert repaired == len(loader.HOOKS)
+
+
+# --- (e) map entries changed, deleted and added behind the agent's back --------------
+
+
+def test_map_entries_changed_deleted_or_added_behind_its_back_are_repaired(lab, api, agent):
+    """A full sync checks the maps by digest: each kind of drift `bpftool map update` or
+    `delete` can make is found and repaired within two sync periods, and nothing else
+    is planned or written while the maps hold what was written."""
+    from kpr.datapath.maps import BpfMaps
+    from kpr.datapath.plan import ProgrammedState
+
+    cluster = Cluster(api)
+    cluster.put("stable", STABLE_VIP, ("http",), pod_addresses(lab, 0, 1, 2))
+    cluster.put("moving", MOVING_VIP, ("http",), pod_addresses(lab, 0, 1))
+    agent.start()
+    converge(agent, cluster)
+    maps = BpfMaps(agent.pin_dir)
+    stable = next(f for f in maps.read().services if str(f) == f"{STABLE_VIP}:80/TCP")
+    pack_id = abi.ID.pack
+    block_map = maps.maps["kpr_slot_blocks"]
+
+    def block_of(slots: list[int]) -> bytes:  # (the slots' backend ids, zeros after)
+        return abi.SLOT_BLOCK.pack(*slots, *[0] * (abi.BLOCK_SLOTS - len(slots)))
+
+    def stray_id(state: ProgrammedState) -> int:
+        return max(state.backends) + 100
+
+    # each on the stable Service's entries as they are then (a deleted master comes back
+    # with another service id)
+    drifts = {
+        "slot changed": lambda sid, slots: maps.maps["kpr_slots"].update_packed(
+            abi.SLOT_KEY.pack(sid, 1), pack_id(slots[1])
+        ),
+        "master deleted": lambda sid, slots: maps.delete_masters([stable]),
+        "reverse entry changed": lambda sid, slots: maps.maps["kpr_revnat4"].update_packed(
+            pack_id(sid), abi.BACKEND4.pack(bytes(4), 1)
+        ),
+        "backend added": lambda sid, slots: maps.maps["kpr_backends4"].update_packed(
+            pack_id(stray_id(maps.read())), abi.BACKEND4.pack(bytes([10, 0, 0, 1]), 1)
+        ),
+        "slot block emptied": lambda sid, slots: block_map.update_packed(
+            pack_id(sid), block_of([])
+        ),
+    }
+    want = cluster.expected()
+    try:
+        for what, drift in drifts.items():
+            before = maps.read()
+            programmed = before.services[stable]
+            assert block_map.lookup_packed(pack_id(programmed.service_id)) == block_of(
+                programmed.slots
+            )
+            log_lines = agent.log.read_text().count("not what kpr wrote")
+            drift(programmed.service_id, programmed.slots)
+            began = time.monotonic()
+            while True:
+                now = maps.read()
+                service = now.services.get(stable)
+                if (
+                    view_of(now) == want
+                    and stray_id(before) not in now.backends
+                    and service is not None
+                    and now.revnat.get(service.service_id) == stable
+                    and block_map.lookup_packed(pack_id(service.service_id))
+                    == block_of(service.slots)
+                ):
+                    break
+                assert time.monotonic() - began < 2 * SYNC_PERIOD + 2, f"{what}: not repaired"
+                time.sleep(0.05)
+            print(f"\n{what}: repaired after {time.monotonic() - began:.2f}s")
+            assert agent.log.read_text().count("not what kpr wrote") == log_lines + 1, what
+        # and the maps as written: full syncs find nothing more
+        time.sleep(2 * SYNC_PERIOD + 0.5)
+        assert agent.log.read_text().count("not what kpr wrote") == len(drifts)
+    finally:
+        maps.close()
+    assert alive(agent)

@@ -75,3 +75,33 @@ def test_failed_writes_are_reported_and_the_maps_read_again():
     written = programmer.write(desired, None)
     assert written.failed == {a}
     assert programmer.programmed.services == maps.read().services
+
+
+def test_a_check_finds_the_maps_as_written_until_something_changes_behind_its_back():
+    maps = MemoryMaps()
+    programmer = Programmer(maps, sizes(100))
+    desired = Translation()
+    a, b = service(desired, "a", 1), service(desired, "b", 2)
+    programmer.write(desired, None)
+    del desired.frontends[a], desired.owners[a]
+    programmer.write(desired, {a})  # a partial write keeps the maps as written too
+    assert programmer.check() == [] and not programmer.plan_all
+    sid = maps.services[b].service_id
+    maps.slots[(sid, 1)], maps.slots[(sid, 2)] = maps.slots[(sid, 2)], maps.slots[(sid, 1)]
+    assert programmer.check() == ["slots"]
+    programmer.reread()  # (what the maps hold, read: as written once more)
+    assert programmer.check() == []
+
+
+def test_a_failed_write_has_the_next_full_sync_plan_everything_until_one_succeeds():
+    maps = MemoryMaps(capacity=1)
+    programmer = Programmer(maps, sizes(100))
+    desired = Translation()
+    a = service(desired, "a", 1, backends=2)
+    assert programmer.write(desired, {a}).failed
+    assert programmer.plan_all
+    programmer.write(Translation(), set())  # a partial write of nothing: still to retry
+    assert programmer.plan_all
+    maps.capacity = 10
+    assert not programmer.write(desired, None).failed
+    assert not programmer.plan_all

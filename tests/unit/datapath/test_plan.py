@@ -99,6 +99,12 @@ def test_removed_service_leaves_no_entries_behind():
 def test_unchanged_backends_keep_their_slots():
     assert assign_slots([1, 2, 3, 4], [1, 3, 4, 5]) == [1, 5, 3, 4]
     assert assign_slots([1, 2, 3, 4], [1, 4]) == [1, 4]
+
+
+def test_a_slot_naming_a_backend_twice_behind_kprs_back_is_written_over():
+    # (drift: `bpftool map update` made slot 1 name slot 2's backend)
+    assert assign_slots([2, 2, 3], [1, 2, 3]) == [2, 1, 3]
+    assert assign_slots([2, 2, 2], [2, 3]) == [2, 3]
     assert assign_slots([1, 2], [1, 2, 3]) == [1, 2, 3]
 
 
