@@ -31,7 +31,7 @@ from typing import Protocol
 from kpr import __version__
 from kpr.agent import conflicts, runstate
 from kpr.agent.attachments import Attachments
-from kpr.agent.programmer import Programmer
+from kpr.agent.programmer import Programmer, Written
 from kpr.agent.runner import Kind, Ran, SyncRunner
 from kpr.agent.stale_udp import StaleUdp, udp_serving
 from kpr.agent.worker import Worker
@@ -420,25 +420,25 @@ class Agent:
         touched = self._translate(snapshot) if snapshot is not None else set()
         full = full or touched is None
         pins = attachments = 0
-        drift: int | None = None  # frontends found differing by a full sync's check
         if full:
             pins = self.attachments.repair_pins(self.maps)
             attachments = self.attachments.repair()
-            drift = self._check_maps(programmer)
-            if drift is not None or programmer.plan_all:
-                touched = None  # every frontend planned again
-        planned_all = touched is None
         problems = self.source_problems + self.desired.problems
         problems_changed = self._report(problems)
-        udp_before = udp_serving(programmer.programmed, touched)
-        if snapshot is not None or full:
-            # before the backends: a flow to a new local one must not be masqueraded
-            self._sync_local_endpoints(reread=full)
-        written = programmer.write(self.desired, touched)
+        # the changes first: they never wait behind a full sync's check of the maps
+        written = self._write(programmer, touched, snapshot is not None or full, full)
+        drift = 0  # frontends a full sync's check found differing from what was written
+        if full and touched is not None:
+            differing = programmer.check(interrupted=self._changes_waiting)
+            if differing is None:
+                full = False  # changes arrived: synced at once, then the check again
+            elif differing or programmer.plan_all:
+                drift = self._reread(programmer, differing) if differing else 0
+                touched = None  # every frontend planned again
+                written = written.then(self._write(programmer, None, True, False))
+        planned_all = touched is None
         if not self.attachments.attached:
             self._attach()
-        # UDP flows and connected sockets to backends that no longer serve move on
-        self.stale_udp.synced(udp_before, programmer.programmed, touched)
         # NodePorts: the external scope, and 127.0.0.1 at the socket (localhostNodePorts)
         if touched is None or any(f.scope == EXTERNAL or f.address.is_loopback for f in touched):
             self._sync_node_ports()
@@ -499,13 +499,28 @@ class Agent:
             observer.synced(outcome)
         return outcome
 
-    def _check_maps(self, programmer: Programmer) -> int | None:
-        """A full sync's check of the maps against what was written: None when they hold
-        it (the rule: a few batch reads); else they are read again, and how many frontends
-        differ (0: none, a failed write's map was not known) is returned."""
-        differing = programmer.check()
-        if not differing:
-            return None
+    def _changes_waiting(self) -> bool:
+        return self.source.pending() != (0, 0)
+
+    def _write(
+        self, programmer: Programmer, touched: set[Frontend] | None, changed: bool, reread: bool
+    ) -> Written:
+        """Write what `touched` frontends (None: all) need, with what goes with it: the
+        local endpoints before (when `changed`, read again with `reread`), and the UDP
+        flows and sockets of backends that no longer serve after."""
+        assert self.stale_udp is not None
+        udp_before = udp_serving(programmer.programmed, touched)
+        if changed:
+            # before the backends: a flow to a new local one must not be masqueraded
+            self._sync_local_endpoints(reread=reread)
+        written = programmer.write(self.desired, touched)
+        # UDP flows and connected sockets to backends that no longer serve move on
+        self.stale_udp.synced(udp_before, programmer.programmed, touched)
+        return written
+
+    def _reread(self, programmer: Programmer, differing: list[str]) -> int:
+        """The maps a check found differing read again: how many frontends differ (0: none,
+        the map was not known after a failed write)."""
         drift = programmer.reread()
         log.log(
             logging.WARNING if drift else logging.INFO,
@@ -656,7 +671,7 @@ class Agent:
                 self.device_watch.changed.set()  # and the devices, should an event be lost
             if result is None:
                 return None
-            return Ran(full=result.full, failed=result.failed > 0)
+            return Ran(full=result.full, failed=result.failed > 0, wrote=result.writes > 0)
 
         def wait(timeout: float) -> bool:
             if self.stood_down():

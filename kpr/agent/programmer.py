@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from ipaddress import IPv6Address
 
@@ -34,6 +35,11 @@ class Written:
     writes: int  # map operations
     failed: set[Frontend] = field(default_factory=set)  # keep their previous backends
     left_out_now: bool = False  # this write left Services out (they do not fit)
+
+    def then(self, after: Written) -> Written:
+        """This write followed by `after`, a write of everything (what failed or was left
+        out is its)."""
+        return Written(self.writes + after.writes, after.failed, after.left_out_now)
 
 
 def _failure_summary(errors: list[str], failed: set[Frontend], limit: int = 3) -> str:
@@ -57,10 +63,11 @@ class Programmer:
         self.left_out_why = ""
         self.incomplete = False  # the last write failed in part: plan everything again
 
-    def check(self) -> list[str]:
+    def check(self, interrupted: Callable[[], bool] = lambda: False) -> list[str] | None:
         """The maps that may not hold what was written (drift, or a failed write), which a
-        full sync reads again (`reread`); none, the rule, is nothing to read or plan."""
-        return self.maps.unverified()
+        full sync reads again (`reread`); none, the rule, is nothing to read or plan.
+        None: `interrupted` said stop (asked between batch reads)."""
+        return self.maps.unverified(interrupted)
 
     @property
     def plan_all(self) -> bool:

@@ -1,8 +1,9 @@
 """When the agent syncs: kube-proxy's bounded-frequency runner, on a monotonic clock.
 
 - A change is synced at once after a quiet spell, but at most once per `min_sync_period`:
-  a change requested within `min_sync_period` of the last sync waits until
-  last sync + `min_sync_period`, and every change requested meanwhile goes with it (one sync).
+  a change requested within `min_sync_period` of the last sync that wrote to the maps
+  waits until then + `min_sync_period`, and every change requested meanwhile goes with it
+  (one sync). A full sync that only checked the maps holds nothing back.
   `min_sync_period` 0: every change at once.
 - A full sync (the maps read again, drift repaired) at most `sync_period` after the last
   full one, once a first full sync was made (a full sync of nothing would empty the maps).
@@ -37,6 +38,9 @@ class Ran:
 
     full: bool  # a partial request may turn into a full sync (the first, a relist)
     failed: bool = False  # some writes failed: retried by a full sync
+    # it changed the maps: a full sync that only checked them holds no change back
+    # (min_sync_period bounds how often the datapath changes)
+    wrote: bool = True
 
 
 class Stop(Protocol):
@@ -110,7 +114,8 @@ class SyncRunner:
                 self.last_full = now  # not again at once: at the next period
                 self.retry_at = None
             return
-        self.last_sync = now
+        if ran.wrote:
+            self.last_sync = now
         if ran.full:
             self.last_full = now
             self.retry_at = None

@@ -11,7 +11,7 @@ unknown (None), which the next full sync settles by reading the maps again.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from kpr.datapath import bpfsys
 from kpr.datapath.digest import combine, difference, digest
@@ -20,11 +20,26 @@ from kpr.datapath.digest import combine, difference, digest
 # each); a larger one reads the whole map twice instead (about 0.4 us per entry held)
 LOOKED_UP = 4096
 
+Interrupt = Callable[[], bool]
 
-def map_digest(pinned: bpfsys.PinnedMap) -> int:
-    """The digest of everything `pinned` holds, in batch reads."""
+
+def map_digest(pinned: bpfsys.PinnedMap, interrupted: Interrupt = lambda: False) -> int | None:
+    """The digest of everything `pinned` holds, in batch reads; None: `interrupted` said
+    stop (asked after each batch, every few milliseconds)."""
     key_size, value_size = pinned.info.key_size, pinned.info.value_size
-    return combine(*(digest(k, v, key_size, value_size) for k, v, _ in pinned.dump()))
+    total = 0
+    for keys, values, _ in pinned.dump():
+        if interrupted():
+            return None
+        total = combine(total, digest(keys, values, key_size, value_size))
+    return total
+
+
+def whole_digest(pinned: bpfsys.PinnedMap) -> int:
+    """The digest of everything `pinned` holds (never interrupted)."""
+    total = map_digest(pinned)
+    assert total is not None
+    return total
 
 
 class Expected:
@@ -37,7 +52,7 @@ class Expected:
     def current(self, names: Iterable[str] | None = None) -> dict[str, int]:
         """What the maps (all, or `names`) hold now, as digests."""
         chosen = self.maps if names is None else [n for n in names if n in self.maps]
-        return {name: map_digest(self.maps[name]) for name in chosen}
+        return {name: whole_digest(self.maps[name]) for name in chosen}
 
     def settle(self, before: dict[str, int]) -> None:
         """The maps were just read whole, and held `before` when that began: what they hold
@@ -45,13 +60,20 @@ class Expected:
         for name, now in self.current().items():
             self.digests[name] = now if now == before.get(name) else None
 
-    def differing(self) -> list[str]:
-        """The maps whose content is not the expected one, or whose expectation is unknown."""
-        return [
-            name
-            for name, pinned in self.maps.items()
-            if self.digests[name] is None or map_digest(pinned) != self.digests[name]
-        ]
+    def differing(self, interrupted: Interrupt = lambda: False) -> list[str] | None:
+        """The maps whose content is not the expected one, or whose expectation is
+        unknown; None: `interrupted` said stop first."""
+        out = []
+        for name, pinned in self.maps.items():
+            if self.digests[name] is None:
+                out.append(name)
+                continue
+            now = map_digest(pinned, interrupted)
+            if now is None:
+                return None
+            if now != self.digests[name]:
+                out.append(name)
+        return out
 
     def before(self, name: str, keys: bytes) -> int | None:
         """Before writing or deleting the entries of packed `keys`: the digest of the
@@ -61,7 +83,7 @@ class Expected:
             return None
         key_size = pinned.info.key_size
         if len(keys) > LOOKED_UP * key_size:
-            if map_digest(pinned) != self.digests[name]:
+            if whole_digest(pinned) != self.digests[name]:
                 self.digests[name] = None  # drift: settled by the next full sync
             return None
         old_keys, old_values = bytearray(), bytearray()
@@ -79,7 +101,7 @@ class Expected:
         if pinned is None or self.digests[name] is None:
             return
         if replaced is None:
-            self.digests[name] = map_digest(pinned)
+            self.digests[name] = whole_digest(pinned)
             return
         key_size, value_size = pinned.info.key_size, pinned.info.value_size
         written = digest(keys, values, key_size, value_size) if values else 0

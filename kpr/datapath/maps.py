@@ -12,7 +12,7 @@ import errno
 import logging
 import os
 from collections import defaultdict
-from collections.abc import Collection, Iterable, Iterator
+from collections.abc import Callable, Collection, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from ipaddress import IPv4Address, IPv6Address, ip_address, ip_network
@@ -80,10 +80,10 @@ class Maps(Protocol):
     def write_source_ranges(self, entries: dict[SourceRange, Frontend]) -> WriteResult: ...
     def delete_source_ranges(self, entries: set[SourceRange]) -> None: ...
     def write_slot_blocks(self, entries: dict[int, list[int]]) -> WriteResult: ...
-    def unverified(self) -> list[str]:
+    def unverified(self, interrupted: Callable[[], bool] = lambda: False) -> list[str] | None:
         """The maps that may not hold what was read and written since (drift made behind
         kpr's back, or a write that failed): `read` them again. A check far cheaper than
-        reading them."""
+        reading them; None: `interrupted` (asked as it goes) said stop."""
 
 
 def slot_blocks(services: Iterable[ProgrammedService]) -> dict[int, list[int]]:
@@ -237,7 +237,7 @@ class MemoryMaps:
     def _copy(self) -> dict[str, dict]:
         return {name: dict(table) for name, table in self._tables().items()}
 
-    def unverified(self) -> list[str]:
+    def unverified(self, interrupted: Callable[[], bool] = lambda: False) -> list[str] | None:
         tables = self._tables()
         return [name for name, table in self.written.items() if tables[name] != table]
 
@@ -528,8 +528,10 @@ class BpfMaps:
         self.expected = Expected(self.maps, CHECKED)  # known once read
         self.expected_ranges: set[bytes] | None = None  # kpr_source_ranges' packed keys
 
-    def unverified(self) -> list[str]:
-        differing = self.expected.differing()
+    def unverified(self, interrupted: Callable[[], bool] = lambda: False) -> list[str] | None:
+        differing = self.expected.differing(interrupted)
+        if differing is None:
+            return None
         if self.expected_ranges is None or self._range_keys() != self.expected_ranges:
             differing.append("kpr_source_ranges")
         return differing

@@ -89,7 +89,11 @@ class Agent:
             return None
         first = not self.syncs
         self.syncs.append((self.clock.now, kind))
-        return Ran(full=first or kind is Kind.FULL, failed=self.clock.now in self.fail_at)
+        return Ran(
+            full=first or kind is Kind.FULL,
+            failed=self.clock.now in self.fail_at,
+            wrote=first or changes is not None,  # a full sync of no change only checks
+        )
 
 
 def drive(
@@ -144,6 +148,11 @@ def test_sync_period_forces_a_full_sync_after_the_last_full_one():
 def test_partial_syncs_do_not_put_off_the_full_sync():
     syncs, _ = drive(1.0, 30.0, changes=[10, 20, 29.5], until=31)
     assert syncs == [(0.0, P), (10.0, P), (20.0, P), (29.5, P), (30.0, F)]
+
+
+def test_a_full_sync_that_only_checked_the_maps_holds_no_change_back():
+    syncs, _ = drive(1.0, 30.0, changes=[30.2, 30.4], until=32)
+    assert syncs == [(0.0, P), (30.0, F), (30.2, P), (31.2, P)]
 
 
 def test_no_full_sync_before_the_source_had_a_state():
@@ -303,7 +312,8 @@ def agent_run(tmp_path, changes: list[float], until: float, removed_at: float = 
         changed = -1 if snapshot is None or snapshot.changed is None else len(snapshot.changed)
         syncs.append((clock.now, full, changed))
         agent.last_sync = clock.now + 1  # (wall clock there: only never-synced is read)
-        return loop.SyncResult(full=full, writes=0, seconds=0.0, failed=0, services_changed=0)
+        writes = int(snapshot is not None)  # a change written; a full sync alone, a check
+        return loop.SyncResult(full=full, writes=writes, seconds=0.0, failed=0, services_changed=0)
 
     class Observer:
         def queued(self, when: float, pending: tuple[int, int]) -> None:
