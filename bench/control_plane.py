@@ -14,6 +14,7 @@ its own), and we measure
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ctypes as ct
 import json
 import os
@@ -25,6 +26,7 @@ import sys
 import tempfile
 import time
 import uuid
+from collections.abc import Iterator
 from ipaddress import IPv4Address, ip_address
 from pathlib import Path
 
@@ -62,56 +64,85 @@ def backends_of(maps: BpfMaps, vip: str) -> set[str]:
     return out
 
 
-def measure(services: int, endpoints: int, changes: int) -> dict:
+@contextlib.contextmanager
+def running_agent(api: TestApiServer, *options: str) -> Iterator[tuple[subprocess.Popen, Path]]:
+    """`kpr run` on `api`, in a child cgroup and a pin directory of its own (its log in
+    $KPR_BENCH_LOG, or thrown away), until the block ends; (the process, its pin dir)."""
     pin_dir = Path("/sys/fs/bpf") / f"kpr-bench-{uuid.uuid4().hex[:8]}"
     cgroup = host.cgroup2_root() / f"kpr-bench-{uuid.uuid4().hex[:8]}"
     host.ensure_bpffs(pin_dir)
     cgroup.mkdir()
     agent = None
+    log_path = os.environ.get("KPR_BENCH_LOG")
     try:
-        with (
-            TestApiServer(bookmark_interval=5.0, history_size=changes * 4 + 100) as api,
-            tempfile.TemporaryFile("w+") as log,
-        ):
-            populate(api, services, endpoints)
-            started = time.time()
+        with open(log_path, "w") if log_path else tempfile.TemporaryFile("w+") as log:
             agent = subprocess.Popen(
-                [sys.executable, "-m", "kpr.cli", "run", "--devices", "none", "--master", api.url,
-                 "--node-name", "node-1", "--cgroup", str(cgroup), "--bpffs", str(pin_dir),
-                 "--min-sync-period", "0", "--sync-period", "3600",
-                 "--healthz-bind-address", "", "--metrics-bind-address", "",
-                 "--log-level", "warning"],
+                [sys.executable, "-m", "kpr.cli", "run", "--devices", "none",
+                 "--master", api.url, "--node-name", "node-1", "--cgroup", str(cgroup),
+                 "--bpffs", str(pin_dir), "--healthz-bind-address", "", *options],
                 stdout=log, stderr=subprocess.STDOUT,
             )  # fmt: skip
+            yield agent, pin_dir
+    finally:
+        if agent is not None:
+            agent.terminate()
+            agent.wait(timeout=60)
+        loader.detach(cgroup)
+        cgroup.rmdir()
+        loader.unpin_all(pin_dir)
+        runstate.remove(pin_dir)
+        shutil.rmtree(pin_dir, ignore_errors=True)
+
+
+def endpoint_changes(
+    api: TestApiServer, maps: BpfMaps, services: int, endpoints: int, count: int, interval: float
+) -> list[float]:
+    """`count` changes, each one endpoint of a random Service replaced by a new address,
+    `interval` apart: seconds from the API server accepting each to the new backend in
+    the kernel maps (looked up from this process), sorted."""
+    latencies = []
+    next_address = ENDPOINT_BASE + services * endpoints
+    for _ in range(count):
+        i = random.randrange(services)
+        vip = str(VIP_BASE + i)
+        current = sorted(backends_of(maps, vip))
+        new = str(next_address)
+        next_address += 1
+        began = time.perf_counter()
+        api.update(bench_endpoint_slice(f"svc-{i}", current[1:] + [new]))
+        deadline = began + 10
+        while new not in backends_of(maps, vip):
+            if time.perf_counter() > deadline:
+                raise RuntimeError(f"change to svc-{i} not programmed within 10 s")
+        latencies.append(time.perf_counter() - began)
+        time.sleep(max(0.0, interval - (time.perf_counter() - began)))
+    return sorted(latencies)
+
+
+def rss_mb(pid: int) -> float:
+    """A process's resident memory now, in MiB."""
+    lines = Path(f"/proc/{pid}/status").read_text().splitlines()
+    return int(next(line for line in lines if line.startswith("VmRSS")).split()[1]) / 1024
+
+
+def measure(services: int, endpoints: int, changes: int) -> dict:
+    with TestApiServer(bookmark_interval=5.0, history_size=changes * 4 + 100) as api:
+        populate(api, services, endpoints)
+        started = time.time()
+        # (a full sync hourly, changes at once: the figures are the write path's)
+        options = ["--min-sync-period", "0", "--sync-period", "3600",
+                   "--metrics-bind-address", "", "--log-level", "warning"]  # fmt: skip
+        with running_agent(api, *options) as (agent, pin_dir):
             state = runstate.wait_synced(pin_dir, agent, timeout=600)
             first = {
                 "start_to_programmed_s": state.last_sync - started,
                 "list_to_programmed_s": state.first_sync_after_list,
             }
             maps = BpfMaps(pin_dir)
-            latencies = []
-            next_address = ENDPOINT_BASE + services * endpoints
-            for _ in range(changes):
-                i = random.randrange(services)
-                vip = str(VIP_BASE + i)
-                current = sorted(backends_of(maps, vip))
-                new = str(next_address)
-                next_address += 1
-                addresses = current[1:] + [new]
-                began = time.perf_counter()
-                api.update(bench_endpoint_slice(f"svc-{i}", addresses))
-                deadline = began + 10
-                while new not in backends_of(maps, vip):
-                    if time.perf_counter() > deadline:
-                        raise RuntimeError(f"change to svc-{i} not programmed within 10 s")
-                latencies.append(time.perf_counter() - began)
-                time.sleep(0.01)
-            maps.close()
-            status = Path(f"/proc/{agent.pid}/status").read_text()
-            rss = int(
-                next(line for line in status.splitlines() if line.startswith("VmRSS")).split()[1]
-            )
-            latencies.sort()
+            try:
+                latencies = endpoint_changes(api, maps, services, endpoints, changes, 0.01)
+            finally:
+                maps.close()
             return {
                 "services": services,
                 "endpoints": endpoints,
@@ -120,17 +151,8 @@ def measure(services: int, endpoints: int, changes: int) -> dict:
                 "change_p99_ms": 1000 * latencies[int(0.99 * (len(latencies) - 1))],
                 "change_max_ms": 1000 * latencies[-1],
                 "changes": len(latencies),
-                "agent_rss_mb": rss / 1024,
+                "agent_rss_mb": rss_mb(agent.pid),
             }
-    finally:
-        if agent is not None:
-            agent.terminate()
-            agent.wait(timeout=30)
-        loader.detach(cgroup)
-        cgroup.rmdir()
-        loader.unpin_all(pin_dir)
-        runstate.remove(pin_dir)
-        shutil.rmtree(pin_dir, ignore_errors=True)
 
 
 def main() -> int:

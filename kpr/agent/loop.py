@@ -129,6 +129,8 @@ class SyncResult:
     services_changed: int  # -1: all
     trigger_times: list[float] = field(default_factory=list)  # of the slices applied
     drift_repaired: int = 0  # frontends whose map entries were written again
+    # a full sync whose check of the maps stopped for changes that arrived: done again
+    check_interrupted: bool = False
     attachments_repaired: int = 0  # cgroup hooks and TC filters attached again
     pins_repaired: int = 0  # pins put back
     node_deleting: bool = False  # this Node is being deleted (kube-proxy's nodeEligible)
@@ -428,10 +430,11 @@ class Agent:
         # the changes first: they never wait behind a full sync's check of the maps
         written = self._write(programmer, touched, snapshot is not None or full, full)
         drift = 0  # frontends a full sync's check found differing from what was written
+        interrupted = False
         if full and touched is not None:
             differing = programmer.check(interrupted=self._changes_waiting)
             if differing is None:
-                full = False  # changes arrived: synced at once, then the check again
+                interrupted = True  # changes arrived: synced at once, then the check again
             elif differing or programmer.plan_all:
                 drift = self._reread(programmer, differing) if differing else 0
                 touched = None  # every frontend planned again
@@ -456,7 +459,7 @@ class Agent:
             )
             if planned_all:
                 self._save_state()
-        elif full and self._unsaved is None:
+        elif full and not interrupted and self._unsaved is None:
             # a check that found the maps as written: the time of this sync, nothing more
             self._unsaved = Unsaved(
                 written.failed, problems, time.time(), dict(left_out), left_out_why, False
@@ -464,12 +467,13 @@ class Agent:
             self._save_state()
         now = time.time()
         self.last_sync = now
-        if full:
+        if full and not interrupted:
             self.last_full = now
             if planned_all or written.writes or self._map_fill is None:
                 self._map_fill = self._settle(programmer)
         outcome = SyncResult(
             full=full,
+            check_interrupted=interrupted,
             writes=written.writes,
             seconds=time.perf_counter() - began,
             failed=len(written.failed),
@@ -500,7 +504,11 @@ class Agent:
         return outcome
 
     def _changes_waiting(self) -> bool:
-        return self.source.pending() != (0, 0)
+        """Whether a full sync's check of the maps stops for changes that arrived: yes,
+        unless checks have been put off for two sync periods (churn never stops them for
+        good; a change may then wait for one)."""
+        overdue = time.time() - self.last_full > 2 * self.config.sync_period
+        return not overdue and self.source.pending() != (0, 0)
 
     def _write(
         self, programmer: Programmer, touched: set[Frontend] | None, changed: bool, reread: bool
@@ -671,7 +679,11 @@ class Agent:
                 self.device_watch.changed.set()  # and the devices, should an event be lost
             if result is None:
                 return None
-            return Ran(full=result.full, failed=result.failed > 0, wrote=result.writes > 0)
+            return Ran(
+                full=result.full and not result.check_interrupted,  # (else: again, at once)
+                failed=result.failed > 0,
+                wrote=result.writes > 0,
+            )
 
         def wait(timeout: float) -> bool:
             if self.stood_down():

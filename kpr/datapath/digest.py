@@ -18,9 +18,15 @@ _SHIFTS = (np.uint64(29), np.uint64(32), np.uint64(31))
 
 
 def digest(
-    keys: bytes | bytearray, values: bytes | bytearray, key_size: int, value_size: int
+    keys: bytes | bytearray,
+    values: bytes | bytearray,
+    key_size: int,
+    value_size: int,
+    skip_zeros: bool = False,
 ) -> int:
-    """The digest of the entries packed back to back in `keys` and `values`."""
+    """The digest of the entries packed back to back in `keys` and `values`; with
+    `skip_zeros`, entries whose value is all zeros count for nothing (an array's unused
+    indexes, so that its digest need not read them)."""
     count = len(keys) // key_size
     if not count:
         return 0
@@ -42,6 +48,8 @@ def digest(
     hashes ^= hashes >> _SHIFTS[1]
     hashes *= _FINAL
     hashes ^= hashes >> _SHIFTS[2]
+    if skip_zeros and value_size:
+        hashes[~rows[:, key_size : key_size + value_size].any(axis=1)] = 0
     return int(hashes.sum(dtype=np.uint64))
 
 

@@ -7,13 +7,20 @@ follows each write: a small one looks up the entries it replaces (one syscall ea
 large one reads the map's digest before (it must still be the expected one) and after.
 A write that fails, or a map that changed while it was read, leaves its expectation
 unknown (None), which the next full sync settles by reading the maps again.
+
+An array (the slot blocks) has every index, most of them unused (all zeros): its digest
+counts the entries that are not zeros, and is read up to the highest index kpr wrote (or
+found in use when it read the array whole). An index above it matters to no reader: no
+master names it before kpr writes it.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 
-from kpr.datapath import bpfsys
+import numpy as np
+
+from kpr.datapath import abi, bpfsys
 from kpr.datapath.digest import combine, difference, digest
 
 # a change of at most this many entries looks up what it replaces (a few microseconds
@@ -23,23 +30,8 @@ LOOKED_UP = 4096
 Interrupt = Callable[[], bool]
 
 
-def map_digest(pinned: bpfsys.PinnedMap, interrupted: Interrupt = lambda: False) -> int | None:
-    """The digest of everything `pinned` holds, in batch reads; None: `interrupted` said
-    stop (asked after each batch, every few milliseconds)."""
-    key_size, value_size = pinned.info.key_size, pinned.info.value_size
-    total = 0
-    for keys, values, _ in pinned.dump():
-        if interrupted():
-            return None
-        total = combine(total, digest(keys, values, key_size, value_size))
-    return total
-
-
-def whole_digest(pinned: bpfsys.PinnedMap) -> int:
-    """The digest of everything `pinned` holds (never interrupted)."""
-    total = map_digest(pinned)
-    assert total is not None
-    return total
+def _never() -> bool:
+    return False
 
 
 class Expected:
@@ -48,31 +40,66 @@ class Expected:
     def __init__(self, maps: dict[str, bpfsys.PinnedMap], names: Iterable[str]) -> None:
         self.maps = {name: maps[name] for name in names if name in maps}
         self.digests: dict[str, int | None] = dict.fromkeys(self.maps)
+        # arrays: the indexes below which an entry may be in use
+        self.extents = {
+            name: pinned.info.max_entries
+            for name, pinned in self.maps.items()
+            if pinned.info.map_type == abi.BPF_MAP_TYPE_ARRAY
+        }
+        # maps a check found as expected before it was interrupted: the next goes on
+        # from there (kpr's own writes in between keep their expectations)
+        self.checked: set[str] = set()
+
+    def _digest(self, name: str, interrupted: Interrupt = _never) -> int | None:
+        """The digest of what map `name` holds now, in batch reads; None: `interrupted`
+        said stop (asked after each batch, every few milliseconds)."""
+        pinned = self.maps[name]
+        key_size, value_size = pinned.info.key_size, pinned.info.value_size
+        array = name in self.extents
+        total = 0
+        for keys, values, _ in pinned.dump(limit=self.extents.get(name)):
+            if interrupted():
+                return None
+            total = combine(total, digest(keys, values, key_size, value_size, array))
+        return total
+
+    def _whole(self, name: str) -> int:
+        total = self._digest(name)
+        assert total is not None  # (never interrupted)
+        return total
 
     def current(self, names: Iterable[str] | None = None) -> dict[str, int]:
         """What the maps (all, or `names`) hold now, as digests."""
         chosen = self.maps if names is None else [n for n in names if n in self.maps]
-        return {name: whole_digest(self.maps[name]) for name in chosen}
+        return {name: self._whole(name) for name in chosen}
 
     def settle(self, before: dict[str, int]) -> None:
         """The maps were just read whole, and held `before` when that began: what they hold
         now is expected, for each map that did not change meanwhile."""
+        self.checked = set()
+        for name in self.extents:
+            self.extents[name] = _extent(self.maps[name])
         for name, now in self.current().items():
             self.digests[name] = now if now == before.get(name) else None
 
-    def differing(self, interrupted: Interrupt = lambda: False) -> list[str] | None:
+    def differing(self, interrupted: Interrupt = _never) -> list[str] | None:
         """The maps whose content is not the expected one, or whose expectation is
-        unknown; None: `interrupted` said stop first."""
+        unknown; None: `interrupted` said stop first (the next call goes on from there)."""
         out = []
-        for name, pinned in self.maps.items():
+        for name in self.maps:
+            if name in self.checked:
+                continue
             if self.digests[name] is None:
                 out.append(name)
                 continue
-            now = map_digest(pinned, interrupted)
+            now = self._digest(name, interrupted)
             if now is None:
                 return None
             if now != self.digests[name]:
                 out.append(name)
+            else:
+                self.checked.add(name)
+        self.checked = set()
         return out
 
     def before(self, name: str, keys: bytes) -> int | None:
@@ -83,7 +110,7 @@ class Expected:
             return None
         key_size = pinned.info.key_size
         if len(keys) > LOOKED_UP * key_size:
-            if whole_digest(pinned) != self.digests[name]:
+            if self._whole(name) != self.digests[name]:
                 self.digests[name] = None  # drift: settled by the next full sync
             return None
         old_keys, old_values = bytearray(), bytearray()
@@ -93,21 +120,38 @@ class Expected:
             if value is not None:
                 old_keys += key
                 old_values += value
-        return digest(old_keys, old_values, key_size, pinned.info.value_size)
+        value_size = pinned.info.value_size
+        return digest(old_keys, old_values, key_size, value_size, name in self.extents)
 
     def after(self, name: str, replaced: int | None, keys: bytes, values: bytes) -> None:
         """After the entries were written (`values`) or deleted (`values` empty)."""
         pinned = self.maps.get(name)
         if pinned is None or self.digests[name] is None:
             return
+        if name in self.extents and keys:  # (an array's keys are its __u32 indexes)
+            highest = int(np.frombuffer(keys, np.uint32).max())
+            self.extents[name] = max(self.extents[name], highest + 1)
         if replaced is None:
-            self.digests[name] = whole_digest(pinned)
+            self.digests[name] = self._whole(name)
             return
         key_size, value_size = pinned.info.key_size, pinned.info.value_size
-        written = digest(keys, values, key_size, value_size) if values else 0
+        array = name in self.extents
+        written = digest(keys, values, key_size, value_size, array) if values else 0
         self.digests[name] = combine(difference(self.digests[name] or 0, replaced), written)
 
     def forget(self, name: str) -> None:
         """A write failed part-way: what the map holds is not known."""
         if name in self.digests:
             self.digests[name] = None
+
+
+def _extent(pinned: bpfsys.PinnedMap) -> int:
+    """An array's highest index whose entry is not all zeros, plus one (0: none)."""
+    extent = 0
+    value_size = pinned.info.value_size
+    for keys, values, count in pinned.dump():
+        used = np.frombuffer(values, np.uint8).reshape(count, value_size).any(axis=1)
+        if used.any():
+            indexes = np.frombuffer(keys, np.uint32)
+            extent = max(extent, int(indexes[used].max()) + 1)
+    return extent

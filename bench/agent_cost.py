@@ -1,0 +1,158 @@
+"""The agent's own cost by cluster size, with default settings:
+
+    python -m bench.agent_cost --services 1000,10000,30000,100000 \\
+        --json docs/results/agent-cost.json --resume
+
+For each size, N Services x M endpoints are created in the test API server (a list/watch
+server of our own: the real kube-apiserver cannot be filled to 100,000 Services in the
+time a run has), and `kpr run` starts on it with default settings (sync period 30 s, min
+sync period 1 s; --max-services the smallest power of two from 65,536 that holds N), in a
+child cgroup and a pin directory of its own. Measured:
+  - start: process start to every Service programmed (BCC compile included), and the
+    list complete to every Service programmed (the agent records both);
+  - idle: once a first periodic full sync has run, the agent's CPU (user + system, all
+    threads, /proc) over --idle seconds as a share of one core, its full syncs' mean
+    duration (its own metrics), and its RSS at the end;
+  - changes: --changes endpoint changes --interval apart, whatever periodic work runs
+    meanwhile: API write to the new backend in the kernel maps, p50, p99 and max.
+Each size is written to the --json file as soon as it is measured; --resume skips the
+sizes the file already has (a run of every size takes longer than one sitting).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+from bench.control_plane import endpoint_changes, populate, rss_mb, running_agent
+from kpr.agent import runstate
+from kpr.datapath import abi
+from kpr.datapath.maps import BpfMaps
+from kpr.node import host
+from tests.support.apiserver import TestApiServer
+
+SYNC_PERIOD = 30.0  # kpr's default, and kube-proxy's
+FULL_SYNCS = "kubeproxy_sync_full_proxy_rules_duration_seconds"
+
+
+def max_services(services: int) -> int:
+    """The default, or the smallest power of two above it that holds `services`."""
+    size = abi.MAX_SERVICES
+    while size < services:
+        size *= 2
+    return size
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system time of a process, all its threads."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def full_syncs(port: int) -> tuple[float, int]:
+    """(seconds, count) of the agent's full syncs so far, from its metrics."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
+        text = response.read().decode()
+    values = {}
+    for line in text.splitlines():
+        for suffix in ("_sum", "_count"):
+            if line.startswith(FULL_SYNCS + suffix + " "):
+                values[suffix] = float(line.split()[1])
+    return values.get("_sum", 0.0), int(values.get("_count", 0))
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def measure(services: int, endpoints: int, idle: float, changes: int, interval: float) -> dict:
+    port = free_port()
+    with TestApiServer(bookmark_interval=5.0, history_size=changes * 4 + 100) as api:
+        populate(api, services, endpoints)
+        started = time.time()
+        options = ["--max-services", str(max_services(services)), "--log-level", "info",
+                   "--metrics-bind-address", f"127.0.0.1:{port}"]  # fmt: skip
+        with running_agent(api, *options) as (agent, pin_dir):
+            state = runstate.wait_synced(pin_dir, agent, timeout=1200)
+            start = {
+                "start_to_programmed_s": round(state.last_sync - started, 2),
+                "list_to_programmed_s": round(state.first_sync_after_list or 0, 2),
+            }
+            print(f"{services}: programmed {start}", flush=True)
+            # idle from the end of a first periodic full sync: start-up's one-offs over
+            deadline = time.monotonic() + 3 * SYNC_PERIOD + 300
+            while full_syncs(port)[1] < 2:
+                if time.monotonic() > deadline or agent.poll() is not None:
+                    raise RuntimeError("no periodic full sync")
+                time.sleep(0.5)
+            synced, count = full_syncs(port)
+            cpu, began = cpu_seconds(agent.pid), time.monotonic()
+            time.sleep(idle)
+            cpu, elapsed = cpu_seconds(agent.pid) - cpu, time.monotonic() - began
+            synced_after, count_after = full_syncs(port)
+            rss = rss_mb(agent.pid)
+            print(
+                f"{services}: idle {100 * cpu / elapsed:.3f}% of a core, {rss:.0f} MB", flush=True
+            )
+            maps = BpfMaps(pin_dir)
+            try:
+                latencies = endpoint_changes(api, maps, services, endpoints, changes, interval)
+            finally:
+                maps.close()
+            return {
+                "services": services,
+                "endpoints": endpoints,
+                "max_services": max_services(services),
+                **start,
+                "idle_seconds": round(elapsed, 1),
+                "idle_cpu_percent": round(100 * cpu / elapsed, 3),
+                "full_syncs": count_after - count,
+                "full_sync_mean_s": round((synced_after - synced) / max(1, count_after - count), 4),
+                "rss_mb": round(rss, 1),
+                "changes": len(latencies),
+                "change_interval_s": interval,
+                "change_p50_ms": round(1000 * statistics.median(latencies), 2),
+                "change_p99_ms": round(1000 * latencies[int(0.99 * (len(latencies) - 1))], 2),
+                "change_max_ms": round(1000 * latencies[-1], 2),
+            }
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--services", default="1000,10000,30000,100000")
+    parser.add_argument("--endpoints", type=int, default=10)
+    parser.add_argument("--idle", type=float, default=300.0, help="seconds of idle measured")
+    parser.add_argument("--changes", type=int, default=30)
+    parser.add_argument("--interval", type=float, default=1.0, help="seconds between changes")
+    parser.add_argument("--json", type=Path, help="results, each size written as it is done")
+    parser.add_argument("--resume", action="store_true", help="skip the sizes --json has")
+    args = parser.parse_args()
+    host.require_root()
+    results: list[dict] = []
+    if args.resume and args.json and args.json.exists():
+        results = json.loads(args.json.read_text())
+    for services in (int(n) for n in args.services.split(",")):
+        if any(r["services"] == services for r in results):
+            print(f"{services}: in {args.json} already", flush=True)
+            continue
+        result = measure(services, args.endpoints, args.idle, args.changes, args.interval)
+        print(json.dumps(result), flush=True)
+        results = sorted([*results, result], key=lambda r: r["services"])
+        if args.json:
+            args.json.write_text(json.dumps(results, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    sys.exit(main())

@@ -1,0 +1,85 @@
+"""A full sync's check of the maps (kpr/datapath/expected.py) against the real kernel maps:
+kpr's own writes, small and large, keep them as expected; a change made behind kpr's back
+(raw syscalls, as bpftool makes them) is found in the map it was made in; reading the maps
+again makes what they hold the expected content."""
+
+from __future__ import annotations
+
+from ipaddress import ip_address
+
+import pytest
+
+from kpr.datapath import abi, loader
+from kpr.datapath.maps import BpfMaps
+from kpr.model import Backend
+
+
+@pytest.fixture
+def maps(pin_dir, cgroup):
+    loader.load(pin_dir, cgroup, abi.MapSizes.for_services(1024), attach=False)
+    opened = BpfMaps(pin_dir)
+    opened.read()  # (what an agent does first: adopt what the maps hold)
+    yield opened
+    opened.close()
+    loader.unpin_all(pin_dir)
+
+
+def backends(first: int, count: int) -> dict[int, Backend]:
+    return {
+        first + i: Backend(
+            ip_address(
+                f"10.{(first + i) >> 16 & 255}.{(first + i) >> 8 & 255}.{(first + i) & 255}"
+            ),
+            80,
+        )
+        for i in range(count)
+    }
+
+
+def test_kprs_own_writes_small_and_large_keep_the_maps_as_expected(maps):
+    assert maps.unverified() == []
+    maps.write_backends(backends(1, 3))  # small: what they replace looked up
+    maps.write_slots({7: {1: 1, 2: 2, 3: 3}})
+    maps.write_slot_blocks({7: [1, 2, 3]})
+    assert maps.unverified() == []
+    maps.write_backends(backends(100, 5000))  # large: the map's digest before and after
+    maps.write_slots({8: {slot: 100 + slot for slot in range(1, 5001)}})
+    assert maps.unverified() == []
+    maps.write_backends(backends(1, 2))  # the same entries again: no change
+    maps.delete_backends(backends(100, 10))
+    maps.delete_slots([(8, 5000), (8, 4999)])
+    maps.write_slot_blocks({9000: [4, 5]})  # (a slot block far above the others)
+    assert maps.unverified() == []
+
+
+def test_a_change_behind_kprs_back_is_found_in_its_map_until_the_maps_are_read_again(maps):
+    maps.write_backends(backends(1, 3))
+    maps.write_slots({7: {1: 1, 2: 2}})
+    maps.write_slot_blocks({7: [1, 2]})
+    maps.maps["kpr_slots"].update_packed(abi.SLOT_KEY.pack(7, 1), abi.ID.pack(2))
+    maps.maps["kpr_backends4"].delete_packed(abi.ID.pack(3))
+    maps.maps["kpr_slot_blocks"].update_packed(abi.ID.pack(7), abi.SLOT_BLOCK.pack(*[0] * 16))
+    maps.maps["kpr_revnat6"].update_packed(abi.ID.pack(5), abi.BACKEND6.pack(bytes(16), 80))
+    assert sorted(maps.unverified() or []) == sorted(
+        ["kpr_slots", "kpr_backends4", "kpr_slot_blocks", "kpr_revnat6"]
+    )
+    maps.read()
+    assert maps.unverified() == []
+    # a change to a source range (an LPM trie: a set of keys)
+    maps.maps["kpr_source_ranges"].update_packed(
+        abi.SOURCE_RANGE_KEY.pack(32 + 8, 7, bytes([10, 0, 0, 0]) + bytes(12)), b"\x01"
+    )
+    assert maps.unverified() == ["kpr_source_ranges"]
+
+
+def test_a_check_stops_when_asked_and_the_next_goes_on_from_there(maps):
+    maps.write_backends(backends(1, 12000))  # (two batch reads)
+    asked = []
+
+    def interrupted() -> bool:
+        asked.append(1)
+        return len(asked) == 2
+
+    assert maps.unverified(interrupted) is None
+    maps.maps["kpr_slots"].update_packed(abi.SLOT_KEY.pack(1, 1), abi.ID.pack(1))
+    assert maps.unverified(interrupted) == ["kpr_slots"]
