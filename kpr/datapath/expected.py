@@ -4,7 +4,8 @@ them with the kernel's in a few batch reads instead of decoding every entry agai
 
 A map's expected digest is taken when it is read whole (`settle`, with the read) and then
 follows each write: a small one looks up the entries it replaces (one syscall each), a
-large one reads the map's digest before (it must still be the expected one) and after.
+large one reads the map's digest before (it must still be the expected one) and after,
+and one into an empty map (a first sync) replaces nothing.
 A write that fails, or a map that changed while it was read, leaves its expectation
 unknown (None), which the next full sync settles by reading the maps again.
 
@@ -109,6 +110,8 @@ class Expected:
         if pinned is None or self.digests[name] is None:
             return None
         key_size = pinned.info.key_size
+        if self.digests[name] == 0:
+            return 0  # an empty map (a first sync's): nothing to replace or read
         if len(keys) > LOOKED_UP * key_size:
             if self._whole(name) != self.digests[name]:
                 self.digests[name] = None  # drift: settled by the next full sync

@@ -171,7 +171,7 @@ def test_connects_read_a_small_services_slot_block_and_fall_back_to_its_slots(cl
 
     cluster.echo()
     frontend = Frontend(ip_address(VIP4), 80, "TCP")
-    maps = cluster.agent.maps
+    maps = BpfMaps(cluster.agent.config.pin_dir)  # (not the agent's: behind its back)
     service = maps.read().services[frontend]
     # the slot entries gone behind the agent's back: the block still serves
     maps.delete_slots([(service.service_id, slot) for slot in range(1, len(service.slots) + 1)])
@@ -184,6 +184,7 @@ def test_connects_read_a_small_services_slot_block_and_fall_back_to_its_slots(cl
     }
     cluster.agent.sync(None, full=True)  # a full sync puts slots and block back
     assert {r.get("error") for r in cluster.probe("tcp", VIP4, 80, "--count", 12)} == {None}
+    maps.close()
 
 
 def test_many_backends_and_unreachable_slots_are_written_on_two_threads(cluster):

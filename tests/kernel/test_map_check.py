@@ -83,3 +83,10 @@ def test_a_check_stops_when_asked_and_the_next_goes_on_from_there(maps):
     assert maps.unverified(interrupted) is None
     maps.maps["kpr_slots"].update_packed(abi.SLOT_KEY.pack(1, 1), abi.ID.pack(1))
     assert maps.unverified(interrupted) == ["kpr_slots"]
+
+
+def test_a_change_behind_kprs_back_to_an_empty_map_is_found_after_a_large_write(maps):
+    # (a write into a map expected empty looks nothing up: the check still sees the rest)
+    maps.maps["kpr_backends4"].update_packed(abi.ID.pack(99999), abi.BACKEND4.pack(bytes(4), 1))
+    maps.write_backends(backends(1, 5000))
+    assert maps.unverified() == ["kpr_backends4"]
