@@ -17,6 +17,12 @@ child cgroup and a pin directory of its own. Measured:
     meanwhile: API write to the new backend in the kernel maps, p50, p99 and max.
 Each size is written to the --json file as soon as it is measured; --resume skips the
 sizes the file already has (a run of every size takes longer than one sitting).
+
+    python -m bench.agent_cost --json docs/results/agent-cost.json \
+        --plot docs/results/agent-cost.png --kube-proxy docs/results/bench-api-1k-10k.json
+
+draws each figure against the number of Services, with the real kube-proxy's idle CPU and
+memory from a `kpr bench --api` report beside kpr's (matplotlib: the `lab` extra).
 """
 
 from __future__ import annotations
@@ -127,6 +133,59 @@ def measure(services: int, endpoints: int, idle: float, changes: int, interval: 
             }
 
 
+# title, keys (a line each), scale, log y
+PANELS = (
+    ("idle CPU, % of a core", ("idle_cpu_percent",), 1, True),
+    ("resident memory, MB", ("rss_mb",), 1, True),
+    ("process start to programmed, s", ("start_to_programmed_s",), 1, False),
+    ("full sync (the check), mean s", ("full_sync_mean_s",), 1, True),
+    ("endpoint change to maps, ms", ("change_p50_ms", "change_p99_ms", "change_max_ms"), 1, True),
+)
+# a `kpr bench --api` report's summary keys for the same figures (fractions of a core)
+KUBE_PROXY = {"idle_cpu_percent": ("idle_cpu", 100), "rss_mb": ("proxy_rss_mb", 1)}
+
+
+def kube_proxy_points(report: dict) -> dict[str, dict[str, list[tuple[int, float]]]]:
+    """{mode: {our key: [(services, value)]}} for the real kube-proxy modes of a report."""
+    out: dict[str, dict[str, list[tuple[int, float]]]] = {}
+    for entry in report["results"]:
+        if not entry["mode"].startswith("kube-proxy") or not entry["summary"]:
+            continue
+        for ours, (theirs, scale) in KUBE_PROXY.items():
+            value = entry["summary"].get(theirs)
+            if value is not None:
+                points = out.setdefault(entry["mode"], {}).setdefault(ours, [])
+                points.append((entry["services"], value * scale))
+    return out
+
+
+def write_plot(results: list[dict], path: Path, kube_proxy: dict | None) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")  # no display needed
+    import matplotlib.pyplot as plt
+
+    others = kube_proxy_points(kube_proxy) if kube_proxy else {}
+    fig, axes = plt.subplots(1, len(PANELS), figsize=(5 * len(PANELS), 4.2))
+    for ax, (title, keys, scale, log_y) in zip(axes, PANELS, strict=True):
+        for key, style in zip(keys, ("-", "--", ":"), strict=False):
+            xy = [(r["services"], r[key] * scale) for r in results if r.get(key) is not None]
+            label = "kpr" if len(keys) == 1 else f"kpr {key.split('_')[1]}"
+            ax.plot(*zip(*xy, strict=True), marker="o", linestyle=style, color="tab:green",
+                    label=label)  # fmt: skip
+        for mode, points in sorted(others.items()):
+            if keys[0] in points:
+                xy = sorted(points[keys[0]])
+                ax.plot(*zip(*xy, strict=True), marker="s", label=f"{mode} (bench --api)")
+        ax.set(xscale="log", title=title, xlabel="Services (x 10 endpoints)")
+        if log_y:
+            ax.set_yscale("log")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize="small")
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--services", default="1000,10000,30000,100000")
@@ -136,7 +195,13 @@ def main() -> int:
     parser.add_argument("--interval", type=float, default=1.0, help="seconds between changes")
     parser.add_argument("--json", type=Path, help="results, each size written as it is done")
     parser.add_argument("--resume", action="store_true", help="skip the sizes --json has")
+    parser.add_argument("--plot", type=Path, help="draw --json's results here, run nothing")
+    parser.add_argument("--kube-proxy", type=Path, help="a `kpr bench --api` report (--plot)")
     args = parser.parse_args()
+    if args.plot:
+        kube_proxy = json.loads(args.kube_proxy.read_text()) if args.kube_proxy else None
+        write_plot(json.loads(args.json.read_text()), args.plot, kube_proxy)
+        return 0
     host.require_root()
     results: list[dict] = []
     if args.resume and args.json and args.json.exists():

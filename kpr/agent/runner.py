@@ -1,9 +1,11 @@
 """When the agent syncs: kube-proxy's bounded-frequency runner, on a monotonic clock.
 
-- A change is synced at once after a quiet spell, but at most once per `min_sync_period`:
-  a change requested within `min_sync_period` of the last sync that wrote to the maps
-  waits until then + `min_sync_period`, and every change requested meanwhile goes with it
-  (one sync). A full sync that only checked the maps holds nothing back.
+- A change is synced at once, as long as syncs have come no faster than one per
+  `min_sync_period` (a token bucket: a token every `min_sync_period`, at most `BURST`
+  kept, one spent by each sync that wrote to the maps; kube-proxy's burstSyncs). Otherwise
+  it waits for the next token, and every change requested meanwhile goes with it (one
+  sync): under churn, one sync per `min_sync_period`. Changes a second apart with the
+  default 1 s are each synced at once. A full sync that only checked the maps spends none.
   `min_sync_period` 0: every change at once.
 - A full sync (the maps read again, drift repaired) at most `sync_period` after the last
   full one, once a first full sync was made (a full sync of nothing would empty the maps).
@@ -50,6 +52,9 @@ class Stop(Protocol):
     def wait(self, timeout: float | None = None) -> bool: ...
 
 
+BURST = 2  # syncs that may follow one another at once (kube-proxy's burstSyncs)
+
+
 class SyncRunner:
     def __init__(
         self,
@@ -68,6 +73,8 @@ class SyncRunner:
         self.clock = clock
         self.pending = False  # a change requested, not synced yet
         self.last_sync: float | None = None  # on `clock`
+        self.tokens = float(BURST)  # syncs that may run at once, as of `tokens_at`
+        self.tokens_at = -math.inf
         self.last_full: float | None = None
         self.retry_at: float | None = None
 
@@ -87,12 +94,20 @@ class SyncRunner:
         at = self.last_full + self.sync_period
         return at if self.retry_at is None else min(at, self.retry_at)
 
+    def _tokens(self, now: float) -> float:
+        if self.min_sync_period == 0:
+            return float(BURST)
+        earned = (now - self.tokens_at) / self.min_sync_period
+        return min(float(BURST), self.tokens + earned)
+
     def _partial_at(self) -> float:
         if not self.pending:
             return math.inf
-        if self.last_sync is None:
+        if self.last_sync is None or self.min_sync_period == 0:
             return -math.inf
-        return self.last_sync + self.min_sync_period
+        if self.tokens >= 1:
+            return self.tokens_at
+        return self.tokens_at + (1 - self.tokens) * self.min_sync_period
 
     def next_action(self, now: float) -> tuple[Kind | None, float]:
         """What to do at `now`: a sync of this kind (wait 0), or nothing for the seconds
@@ -116,6 +131,7 @@ class SyncRunner:
             return
         if ran.wrote:
             self.last_sync = now
+            self.tokens, self.tokens_at = max(0.0, self._tokens(now) - 1), now
         if ran.full:
             self.last_full = now
             self.retry_at = None

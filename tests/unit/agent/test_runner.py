@@ -118,16 +118,23 @@ def drive(
 P, F = Kind.PARTIAL, Kind.FULL
 
 
-def test_a_burst_within_min_sync_period_is_one_sync_at_last_sync_plus_min_sync_period():
+def test_a_burst_is_two_syncs_at_once_then_the_rest_held_to_the_next_token_in_one():
     syncs, _ = drive(2.0, 30.0, changes=[0.1, 0.5, 1.2, 1.9], until=10)
-    assert syncs == [(0.0, P), (2.0, P)]
+    assert syncs == [(0.0, P), (0.1, P), (2.0, P)]
 
 
 def test_changes_arriving_while_held_go_with_the_next_sync_not_one_each():
-    # a steady churn every 0.25s: one sync per min_sync_period, never more
+    # a steady churn every 0.25s: after the burst, one sync per min_sync_period, never more
     churn = [i * 0.25 for i in range(1, 40)]
     syncs, _ = drive(1.0, 30.0, changes=churn, until=10)
-    assert [t for t, _ in syncs] == [float(i) for i in range(10)]
+    assert [t for t, _ in syncs] == [0.0, 0.25] + [float(i) for i in range(1, 10)]
+
+
+def test_changes_a_min_sync_period_apart_are_each_synced_at_once():
+    # (kube-proxy's burst of 2: a change a second does not lock onto a 1 s grid)
+    changes = [1.0 + i + 0.01 * (i % 3) for i in range(20)]
+    syncs, _ = drive(1.0, 30.0, changes=changes, until=25)
+    assert [t for t, _ in syncs] == [0.0, *changes]
 
 
 def test_a_change_after_a_quiet_spell_is_synced_at_once():
@@ -151,8 +158,9 @@ def test_partial_syncs_do_not_put_off_the_full_sync():
 
 
 def test_a_full_sync_that_only_checked_the_maps_holds_no_change_back():
-    syncs, _ = drive(1.0, 30.0, changes=[30.2, 30.4], until=32)
-    assert syncs == [(0.0, P), (30.0, F), (30.2, P), (31.2, P)]
+    # (had the check spent a token, the change at 30.4 would wait until 31.0)
+    syncs, _ = drive(1.0, 30.0, changes=[30.2, 30.4, 30.6], until=32)
+    assert syncs == [(0.0, P), (30.0, F), (30.2, P), (30.4, P), (31.2, P)]
 
 
 def test_no_full_sync_before_the_source_had_a_state():
@@ -186,11 +194,11 @@ def test_by_default_a_failed_sync_is_retried_at_the_latest_sync_period_after_it(
 def test_stop_while_a_change_is_held_ends_the_loop_at_once_without_syncing():
     clock = Clock()
     runner = SyncRunner(5.0, 30.0, clock=clock)
-    source = Source(clock, [1.0])
+    source = Source(clock, [1.0, 1.5])
     agent = Agent(clock, source)
     runner.request()
     runner.run(Stop(clock, 2.5), agent, source.wait)
-    assert agent.syncs == [(0.0, P)]  # the change at 1.0 was held to 5.0
+    assert agent.syncs == [(0.0, P), (1.0, P)]  # the change at 1.5 was held to 5.0
     assert clock.now == 2.5  # woken by stop, not at the end of the hold
 
 
@@ -241,8 +249,29 @@ def test_idle_runs_every_turn_and_is_quiet_only_when_the_wait_timed_out():
     [
         ({}, 0.0, (None, math.inf)),  # nothing requested, never synced: wait for a change
         ({"pending": True}, 0.0, (P, 0.0)),  # the first request: at once
-        ({"pending": True, "last_sync": 10.0, "last_full": 0.0}, 10.4, (None, 0.6)),
-        ({"pending": True, "last_sync": 10.0, "last_full": 0.0}, 11.0, (P, 0.0)),
+        ({"pending": True, "last_sync": 10.0, "last_full": 0.0}, 10.4, (P, 0.0)),  # a token
+        (
+            {
+                "pending": True,
+                "last_sync": 10.0,
+                "last_full": 0.0,
+                "tokens": 0.0,
+                "tokens_at": 10.0,
+            },
+            10.4,
+            (None, 0.6),
+        ),
+        (
+            {
+                "pending": True,
+                "last_sync": 10.0,
+                "last_full": 0.0,
+                "tokens": 0.0,
+                "tokens_at": 10.0,
+            },
+            11.0,
+            (P, 0.0),
+        ),
         ({"last_sync": 10.0, "last_full": 0.0}, 11.0, (None, 19.0)),  # until the full one
         ({"last_sync": 10.0, "last_full": 0.0}, 30.0, (F, 0.0)),
         ({"pending": True, "last_sync": 29.9, "last_full": 0.0}, 30.0, (F, 0.0)),
@@ -332,18 +361,19 @@ def agent_run(tmp_path, changes: list[float], until: float, removed_at: float = 
 def test_agent_run_syncs_the_first_state_full_then_changes_bounded_then_full_periodically(
     tmp_path,
 ):
-    syncs, queued = agent_run(tmp_path, changes=[0.0, 5.0, 5.2, 5.9, 40.0], until=61)
+    syncs, queued = agent_run(tmp_path, changes=[0.0, 5.0, 5.2, 5.4, 5.9, 40.0], until=61)
     assert syncs == [
         (0.0, True, -1),  # the source's state: a full sync
         (5.0, False, 1),  # after a quiet spell: at once
-        (6.0, False, 2),  # 5.2 and 5.9 held to 5.0 + min_sync_period, in one sync
+        (5.2, False, 1),  # the burst's second token
+        (6.0, False, 2),  # 5.4 and 5.9 held to the next token, in one sync
         (30.0, True, -1),  # sync_period after the first
         (40.0, False, 1),
         (60.0, True, -1),
     ]
-    # observers are told of each wake-up by a change; while one is held (5.2 to 6.0) the
+    # observers are told of each wake-up by a change; while one is held (5.4 to 6.0) the
     # source is not waited on
-    assert {5.0, 5.2, 40.0} <= set(queued) and 5.9 not in queued
+    assert {5.0, 5.2, 5.4, 40.0} <= set(queued) and 5.9 not in queued
 
 
 def test_agent_run_syncs_nothing_once_stood_down(tmp_path):
