@@ -9,7 +9,8 @@ time a run has), and `kpr run` starts on it with default settings (sync period 3
 sync period 1 s; --max-services the smallest power of two from 65,536 that holds N), in a
 child cgroup and a pin directory of its own. Measured:
   - start: process start to every Service programmed (BCC compile included), and the
-    list complete to every Service programmed (the agent records both);
+    list complete to every Service programmed (the agent records both), and the agent's
+    own CPU seconds until then;
   - idle: once a first periodic full sync has run, the agent's CPU (user + system, all
     threads, /proc) over --idle seconds as a share of one core, its full syncs' mean
     duration (its own metrics), and its RSS at the end;
@@ -93,6 +94,9 @@ def measure(services: int, endpoints: int, idle: float, changes: int, interval: 
             start = {
                 "start_to_programmed_s": round(state.last_sync - started, 2),
                 "list_to_programmed_s": round(state.first_sync_after_list or 0, 2),
+                # the agent's own share of the start (the rest: the BCC compile in a child,
+                # the test API server's lists)
+                "start_cpu_s": round(cpu_seconds(agent.pid), 2),
             }
             print(f"{services}: programmed {start}", flush=True)
             # idle from the end of a first periodic full sync: start-up's one-offs over

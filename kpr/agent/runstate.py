@@ -18,7 +18,7 @@ from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from kpr.model import Frontend, FrontendState, Problem, ServiceName, Translation
+from kpr.model import Frontend, FrontendState, Problem, ServiceName, Translation, by_key
 
 RUN_DIR = Path("/run/kpr")
 
@@ -160,7 +160,8 @@ class RunState:
     ) -> None:
         self.last_sync = synced_at
         if translation is not None:
-            desired = {str(f): _state(s) for f, s in sorted(translation.frontends.items())}
+            frontends = sorted(translation.frontends.items(), key=lambda item: by_key(item[0]))
+            desired = {str(f): _state(s) for f, s in frontends}
             _write_atomically(desired_path(Path(self.pin_dir)), desired)
             self.held = sorted(str(f) for f in translation.held)
         self.problems = [str(p) for p in problems]

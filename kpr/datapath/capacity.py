@@ -120,7 +120,7 @@ def plan_fits(programmed: ProgrammedState, steps: Plan, sizes: abi.MapSizes) -> 
     plan adds): no walk of the desired state, so a full sync that writes nothing costs
     nothing here. False may be wrong on the safe side: `fit` then decides exactly."""
     services = programmed.services
-    slots = sum(len(s.slots) for s in services.values()) + len(programmed.stray_slots)
+    slots = programmed.slot_count + len(programmed.stray_slots)
     ranges = sum(len(n) for n in programmed.source_ranges.values())
     peak = {
         "services": len(services) + sum(m.frontend not in services for m in steps.master_writes),

@@ -60,6 +60,7 @@ class ProgrammedState:
     # indexes, so a plan for a few frontends costs nothing per other frontend
     backend_index: dict[Backend, int] = field(default_factory=dict)
     refs: Counter[int] = field(default_factory=Counter)  # slots naming each backend
+    slot_count: int = 0  # slots of all frontends (the capacity check's, without a walk)
     max_backend_id: int = 0
     max_service_id: int = 0
     # ids up to max_service_id that nothing uses (no master, reverse entry or source
@@ -77,6 +78,7 @@ class ProgrammedState:
     def reindex(self) -> ProgrammedState:
         self.backend_index = {backend: bid for bid, backend in self.backends.items()}
         self.refs = Counter(b for s in self.services.values() for b in s.slots)
+        self.slot_count = sum(len(s.slots) for s in self.services.values())
         self.max_backend_id = max(self.backends, default=0)
         ids = self.service_ids_in_use()
         self.max_service_id = max(ids, default=0)
@@ -327,6 +329,7 @@ def apply_plan(programmed: ProgrammedState, steps: Plan) -> None:
             removed.extend(current.slots)
         added.extend(new.slots)
     programmed.services.update(steps.after)
+    programmed.slot_count += len(added) - len(removed)
     programmed.refs.update(added)
     programmed.refs.subtract(Counter(removed))
     programmed.revnat.update(steps.revnat_writes)
@@ -337,6 +340,7 @@ def apply_plan(programmed: ProgrammedState, steps: Plan) -> None:
         gone = programmed.services.pop(frontend, None)
         if gone:
             programmed.refs.subtract(gone.slots)
+            programmed.slot_count -= len(gone.slots)
             released.add(gone.service_id)
     programmed.stray_slots.difference_update(steps.slot_deletes)
     ranges = programmed.source_ranges

@@ -206,6 +206,7 @@ def test_plans_for_only_the_changed_frontends_end_in_the_same_maps(sequence):
         steps = plan(predicted, after, touched)
         assert not execute(maps, steps).failed
         apply_plan(predicted, steps)
+        assert predicted.slot_count == sum(len(s.slots) for s in predicted.services.values())
         before = after
     assert served(maps) == {fe(ord(k) - 96): {be(b) for b in v} for k, v in sequence[-1].items()}
     referenced = {b for s in maps.read().services.values() for b in s.slots}
