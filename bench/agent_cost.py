@@ -99,9 +99,7 @@ def measure(services: int, endpoints: int, idle: float, changes: int, interval: 
                 "start_cpu_s": round(cpu_seconds(agent.pid), 2),
             }
             print(f"{services}: programmed {start}", flush=True)
-            # the changes first: the watches' periodic restarts (5 to 6 minutes in) then fall
-            # in the idle time, not among the changes (a change was lost at one, twice in
-            # three runs: issue 28's note)
+            # the changes first, then the idle time
             maps = BpfMaps(pin_dir)
             try:
                 latencies = endpoint_changes(api, maps, services, endpoints, changes, interval)

@@ -324,7 +324,10 @@ class KubernetesSource:
     def wait(self, timeout: float) -> bool:
         """Until something changed (True) or `timeout` passed."""
         changed = self._changes.wait(timeout)
-        self._changes.clear()
+        if changed:
+            # (only then: a change flagged between a timed-out wait and a clear was lost
+            # until the next full sync; changes a tick apart hit that often)
+            self._changes.clear()
         return changed
 
     # --- feeding the store (watcher threads) --------------------------------------

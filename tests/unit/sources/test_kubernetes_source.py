@@ -166,3 +166,25 @@ def test_a_service_the_second_watch_adds_before_the_first_deletes_it_is_kept(
     change = source.poll()
     assert change is not None and [s.name for s in change.services] == ["web"]
     assert [s.name for s in change.slices] == [FIRST_SLICE]
+
+
+def test_a_change_flagged_as_a_wait_times_out_wakes_the_next_wait(source, monkeypatch):
+    """The race: a watcher flags a change just after the agent's wait gave up. It must wake
+    the next wait at once, not wait for the next full sync (30 s)."""
+    changes = source._changes
+    timed_out_wait = changes.wait
+
+    def wait_that_times_out_as_a_change_arrives(timeout):
+        timed_out_wait(0)
+        source._event(
+            "endpointslices-0",
+            "MODIFIED",
+            endpoint_slice("web", ["10.244.0.6"], [("http", 8080, "TCP")]),
+        )
+        return False
+
+    monkeypatch.setattr(changes, "wait", wait_that_times_out_as_a_change_arrives)
+    assert source.wait(1.0) is False
+    monkeypatch.undo()
+    assert source.wait(0) is True
+    assert source.poll() is not None
