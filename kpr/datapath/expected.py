@@ -17,7 +17,7 @@ master names it before kpr writes it.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 
 import numpy as np
 
@@ -51,18 +51,27 @@ class Expected:
         # from there (kpr's own writes in between keep their expectations)
         self.checked: set[str] = set()
 
+    def _batch_digest(self, name: str, keys: bytes, values: bytes) -> int:
+        info = self.maps[name].info
+        return digest(keys, values, info.key_size, info.value_size, name in self.extents)
+
     def _digest(self, name: str, interrupted: Interrupt = _never) -> int | None:
         """The digest of what map `name` holds now, in batch reads; None: `interrupted`
         said stop (asked after each batch, every few milliseconds)."""
-        pinned = self.maps[name]
-        key_size, value_size = pinned.info.key_size, pinned.info.value_size
-        array = name in self.extents
         total = 0
-        for keys, values, _ in pinned.dump(limit=self.extents.get(name)):
+        for keys, values, _ in self.maps[name].dump(limit=self.extents.get(name)):
             if interrupted():
                 return None
-            total = combine(total, digest(keys, values, key_size, value_size, array))
+            total = combine(total, self._batch_digest(name, keys, values))
         return total
+
+    def read(self, name: str, seen: dict[str, int]) -> Iterator[tuple[bytes, bytes, int]]:
+        """Map `name`'s entries in batches (for a caller that decodes them), their digest
+        summed up in `seen` as they go (for `settle`)."""
+        seen[name] = 0
+        for keys, values, count in self.maps[name].dump():
+            seen[name] = combine(seen[name], self._batch_digest(name, keys, values))
+            yield keys, values, count
 
     def _whole(self, name: str) -> int:
         total = self._digest(name)

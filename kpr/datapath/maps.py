@@ -20,7 +20,6 @@ from pathlib import Path
 from typing import NamedTuple, Protocol
 
 from kpr.datapath import abi, bpfsys, flows
-from kpr.datapath.digest import combine, digest
 from kpr.datapath.expected import Expected
 from kpr.datapath.plan import (
     Master,
@@ -553,15 +552,6 @@ class BpfMaps:
                 restored.append(pin)
         return restored
 
-    def _dump(self, name: str, seen: dict[str, int]) -> Iterator[tuple[bytes, bytes, int]]:
-        """A map's entries in batches, their digest summed up in `seen`."""
-        pinned = self.maps[name]
-        key_size, value_size = pinned.info.key_size, pinned.info.value_size
-        seen[name] = 0
-        for keys, values, count in pinned.dump():
-            seen[name] = combine(seen[name], digest(keys, values, key_size, value_size))
-            yield keys, values, count
-
     def read(self) -> ProgrammedState:
         """Everything the service, slot, backend and reverse maps hold, decoded; and, as
         it was read, taken as what they should hold (`unverified`)."""
@@ -573,25 +563,25 @@ class BpfMaps:
         for version in (4, 6):
             key_layout = abi.FRONTEND4_KEY if version == 4 else abi.FRONTEND6_KEY
             address_layout = abi.BACKEND4 if version == 4 else abi.BACKEND6
-            for keys, values, _ in self._dump(f"kpr_services{version}", seen):
+            for keys, values, _ in self.expected.read(f"kpr_services{version}", seen):
                 for (address, port, protocol, scope), value in zip(
                     key_layout.iter_unpack(keys), abi.SERVICE_VALUE.iter_unpack(values), strict=True
                 ):
                     name = protocols.get(protocol, str(protocol))
                     frontend = Frontend(ip_address(address), port, name, scope)
                     masters[frontend] = ServiceEntry(*value)
-            for keys, values, _ in self._dump(f"kpr_backends{version}", seen):
+            for keys, values, _ in self.expected.read(f"kpr_backends{version}", seen):
                 for (bid,), (address, port) in zip(
                     abi.ID.iter_unpack(keys), address_layout.iter_unpack(values), strict=True
                 ):
                     backends[bid] = Backend(ip_address(address), port)
-            for keys, values, _ in self._dump(f"kpr_revnat{version}", seen):
+            for keys, values, _ in self.expected.read(f"kpr_revnat{version}", seen):
                 for (sid,), (address, port) in zip(
                     abi.ID.iter_unpack(keys), address_layout.iter_unpack(values), strict=True
                 ):
                     revnat[sid] = (ip_address(address), port)
         slots: dict[SlotRef, int] = {}
-        for keys, values, _ in self._dump("kpr_slots", seen):
+        for keys, values, _ in self.expected.read("kpr_slots", seen):
             for key, (bid,) in zip(
                 abi.SLOT_KEY.iter_unpack(keys), abi.ID.iter_unpack(values), strict=True
             ):
