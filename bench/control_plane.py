@@ -56,9 +56,16 @@ def backends_of(maps: BpfMaps, vip: str) -> set[str]:
     key.address[:] = ip_address(vip).packed
     master = services.lookup(key)
     out = set()
-    for slot in range(1, (master.count if master else 0) + 1):
-        entry = maps.maps["kpr_slots"].lookup(abi.SlotKey(master.service_id, slot))
-        backend = backends.lookup(ct.c_uint32(entry.value)) if entry else None
+    if master is None:
+        return out
+    # (as bpf/lb.h reads them: from the slot block, else from kpr_slots)
+    block = maps.maps["kpr_slot_blocks"].lookup(ct.c_uint32(master.service_id))
+    for slot in range(1, master.count + 1):
+        bid = block.backend_ids[slot - 1] if block and master.count <= abi.BLOCK_SLOTS else 0
+        if not bid:
+            entry = maps.maps["kpr_slots"].lookup(abi.SlotKey(master.service_id, slot))
+            bid = entry.value if entry else 0
+        backend = backends.lookup(ct.c_uint32(bid)) if bid else None
         if backend is not None:
             out.add(str(IPv4Address(bytes(backend.address))))
     return out

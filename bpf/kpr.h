@@ -59,7 +59,8 @@
  * `bpftool map dump` shows them as people read them ([10,96,0,10], 80). */
 
 /* kpr_services4/6: a frontend -> its master entry. One entry per frontend: its
- * slots are in kpr_slots, under its service id, for both families alike. */
+ * slots are in its slot block (at most KPR_BLOCK_SLOTS backends) or in kpr_slots
+ * (more), under its service id, for both families alike. */
 struct kpr_frontend4_key {
 	__u8 address[4];  /* ClusterIP, node address, LoadBalancer IP or external IP */
 	__u16 port;
@@ -82,20 +83,22 @@ struct kpr_service {
 	__u32 affinity_timeout; /* seconds; 0: no session affinity */
 };
 
-/* kpr_slots: (service id, slot 1..count) -> backend id, for every frontend of
- * both families and both scopes. The agent writes a frontend's slots before
- * its master's count covers them, so a reader that sees the count finds them. */
+/* kpr_slots: (service id, slot 1..count) -> backend id, for frontends of both
+ * families and both scopes with more than KPR_BLOCK_SLOTS backends. The agent
+ * writes a frontend's slots before its master's count covers them, so a reader
+ * that sees the count finds them. */
 struct kpr_slot_key {
 	__u32 service_id;
 	__u32 slot;
 };
 
-/* The slots of a frontend with at most KPR_BLOCK_SLOTS backends, at index
- * service_id of an array: the slot is read here, one array access, instead of
- * a hash lookup whose random bucket in a large map costs a TLB miss on our VM.
- * The kpr_slots entries stay the source of truth: a block is written with
- * them, before the master, and backend id 0 (a slot past the block, or not yet
- * written) sends the reader to the kpr_slots entry. */
+/* The slots of a frontend with at most KPR_BLOCK_SLOTS backends (most), at
+ * index service_id of an array, and nowhere else: one array access instead of a
+ * hash lookup whose random bucket in a large map costs a TLB miss on our VM, and
+ * one entry a frontend for the agent to write and check instead of one a slot.
+ * A block is written whole, before the master counts it. Backend id 0 (a block
+ * cleared once its frontend's slots moved to kpr_slots, a service id past the
+ * array) sends the reader to the kpr_slots entry. */
 struct kpr_slot_block {
 	__u32 backend_ids[KPR_BLOCK_SLOTS]; /* slot 1 at index 0 */
 };

@@ -54,7 +54,9 @@ static __always_inline struct kpr_service *kpr_master(bool v6, const void *addre
 
 /* The backend id in `slot` (1..count) of a frontend: from its slot block when it
  * has one (at most KPR_BLOCK_SLOTS backends) and the block's entry is not 0, else
- * from its kpr_slots entry. 0: absent, the master counts a slot that is not there. */
+ * from its kpr_slots entry (more backends; or a reader that read the master just
+ * before the slots moved to kpr_slots and the block was cleared). 0: absent, the
+ * master counts a slot that is not there. */
 static __always_inline __u32 kpr_slot_backend(const struct kpr_service *master, __u32 slot)
 {
 	struct kpr_slot_key key = { .service_id = master->service_id, .slot = slot };

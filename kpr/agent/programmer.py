@@ -19,7 +19,7 @@ from ipaddress import IPv6Address
 
 from kpr.datapath import abi
 from kpr.datapath.capacity import Fit, fit, plan_fits, without
-from kpr.datapath.maps import Maps, execute, slot_blocks
+from kpr.datapath.maps import Maps, execute
 from kpr.datapath.plan import ProgrammedState, apply_plan, plan
 from kpr.desired.drift import drift as find_drift
 from kpr.desired.drift import entries
@@ -81,9 +81,6 @@ class Programmer:
         reread = self.maps.read()
         drift = len(find_drift(entries(self.programmed), entries(reread)))
         self.programmed = reread
-        # the slot blocks are not read back: write them all again from the slot entries
-        # (a previous run may have stopped between the two)
-        self.maps.write_slot_blocks(slot_blocks(reread.services.values()))
         return drift
 
     def write(self, desired: Translation, touched: set[Frontend] | None) -> Written:
@@ -146,7 +143,7 @@ class Programmer:
             v6 = sum(isinstance(t.address, IPv6Address) for t in targets)
             used[f"{name}4"] = len(targets) - v6
             used[f"{name}6"] = v6
-        used["slots"] = sum(len(s.slots) for s in programmed.services.values())
+        used["slots"] = programmed.slot_count + len(programmed.stray_slots)
         # (each map's MapSizes field: its name without the family)
         return {
             name: (count, getattr(self.sizes, name.rstrip("46"))) for name, count in used.items()

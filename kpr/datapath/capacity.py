@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from ipaddress import IPv6Address
 
 from kpr.datapath import abi
-from kpr.datapath.plan import Plan, ProgrammedState
+from kpr.datapath.plan import Plan, ProgrammedState, slot_entries
 from kpr.model import Backend, Frontend, FrontendState, ServiceName, Translation
 
 # what is counted, each with the MapSizes field that sizes it and the maps it stands for
@@ -108,7 +108,7 @@ def used(programmed: ProgrammedState, exact: bool = True) -> dict[str, int]:
             out["backends" + family] = len(programmed.backends)
             out["revnat" + family] = len(programmed.revnat)
     out["service_ids"] = programmed.max_service_id + 1
-    out["slots"] = sum(len(s.slots) for s in programmed.services.values())
+    out["slots"] = sum(slot_entries(len(s.slots)) for s in programmed.services.values())
     out["slots"] += len(programmed.stray_slots)
     out["source_ranges"] = sum(len(n) for n in programmed.source_ranges.values())
     return out
@@ -207,10 +207,11 @@ def _total(
         state = desired[frontend]
         current = services.get(frontend)
         if current is None:
-            out["slots"] += len(state.backends)
+            out["slots"] += slot_entries(len(state.backends))
             out["source_ranges"] += len(state.source_ranges)
         else:
-            out["slots"] += max(0, len(state.backends) - len(current.slots))
+            added = slot_entries(len(state.backends)) - slot_entries(len(current.slots))
+            out["slots"] += max(0, added)
             old = programmed.source_ranges.get(current.service_id, frozenset())
             out["source_ranges"] += len(set(state.source_ranges) - old)
     backends = set().union(*(desired[f].backends for f in frontends))

@@ -19,15 +19,19 @@ from ipaddress import IPv4Address, IPv6Address, ip_address, ip_network
 from pathlib import Path
 from typing import NamedTuple, Protocol
 
+import numpy as np
+
 from kpr.datapath import abi, bpfsys, flows
 from kpr.datapath.expected import Expected
 from kpr.datapath.plan import (
+    UNBOUNDED,
     Master,
     Plan,
     ProgrammedService,
     ProgrammedState,
     SlotRef,
     SourceRange,
+    in_block,
 )
 from kpr.model import Backend, Frontend, IPAddress, by_key
 
@@ -85,29 +89,33 @@ class Maps(Protocol):
         reading them; None: `interrupted` (asked as it goes) said stop."""
 
 
-def slot_blocks(services: Iterable[ProgrammedService]) -> dict[int, list[int]]:
-    """The slot blocks of these frontends (struct kpr_slot_block): by service id, the
-    backend ids of slots 1..count, for frontends with at most BLOCK_SLOTS backends."""
-    return {s.service_id: s.slots for s in services if len(s.slots) <= abi.BLOCK_SLOTS}
-
-
 def decode(
     masters: dict[Frontend, ServiceEntry],
     slots: dict[SlotRef, int],
     backends: dict[int, Backend],
     revnat: dict[int, Frontend],
     ranges: Iterable[SourceRange] = (),
+    blocks: dict[int, list[int]] | None = None,
+    block_capacity: int = UNBOUNDED,
 ) -> ProgrammedState:
-    """Map contents → ProgrammedState. Slots no master counts are strays."""
+    """Map contents → ProgrammedState: each frontend's slots from where its count keeps
+    them (`in_block`), as the programs read them. kpr_slots entries no master reads are
+    strays."""
     state = ProgrammedState(backends=dict(backends), revnat=dict(revnat))
+    state.block_capacity = block_capacity
     for sid, network in ranges:
         state.source_ranges[sid] = state.source_ranges.get(sid, frozenset()) | {network}
-    counts: dict[int, int] = {}  # service id -> the slots its master counts
+    blocks = blocks or {}
+    counts: dict[int, int] = {}  # service id -> the kpr_slots entries its master counts
     for frontend, entry in masters.items():
         sid = entry.service_id
-        held = [slots.get((sid, i), 0) for i in range(1, entry.count + 1)]  # 0: absent
+        if in_block(sid, entry.count, block_capacity):
+            block = blocks.get(sid, [])
+            held = [block[i] if i < len(block) else 0 for i in range(entry.count)]
+        else:
+            held = [slots.get((sid, i), 0) for i in range(1, entry.count + 1)]  # 0: absent
+            counts[sid] = max(counts.get(sid, 0), entry.count)
         state.services[frontend] = ProgrammedService(sid, held, entry.affinity_timeout, entry.flags)
-        counts[sid] = max(counts.get(sid, 0), entry.count)
     state.stray_slots = {(sid, slot) for sid, slot in slots if not 0 < slot <= counts.get(sid, 0)}
     return state.reindex()
 
@@ -134,13 +142,17 @@ def execute(maps: Maps, steps: Plan) -> WriteResult:
         failed |= {
             owner[sid] for sid, s in slots.items() if not failed_backends.isdisjoint(s.values())
         }
+        failed |= {
+            owner[sid]
+            for sid, block in steps.block_writes.items()
+            if not failed_backends.isdisjoint(block)
+        }
     behind = {sid: s for sid, s in slots.items() if sid not in ahead and owner[sid] not in failed}
     failed |= {owner[key[0]] for key in merge(maps.write_slots(behind, owner))}
     # a frontend's block goes with its slots, before its master and before any backend
     # it stops naming is deleted
-    frontend_of = {s.service_id: f for f, s in steps.after.items() if f not in failed}
-    blocks = slot_blocks(steps.after[f] for f in frontend_of.values())
-    failed |= {frontend_of[sid] for sid in merge(maps.write_slot_blocks(blocks))}
+    blocks = {sid: s for sid, s in steps.block_writes.items() if owner[sid] not in failed}
+    failed |= {owner[sid] for sid in merge(maps.write_slot_blocks(blocks))}
     revnat = {sid: f for sid, f in steps.revnat_writes.items() if f not in failed}
     failed_ids = merge(maps.write_revnat(revnat))
     failed |= {steps.revnat_writes[sid] for sid in failed_ids}
@@ -152,6 +164,7 @@ def execute(maps: Maps, steps: Plan) -> WriteResult:
     maps.delete_source_ranges(steps.range_deletes)
     # (a stray slot has no owner in the plan: deleted whatever failed)
     maps.delete_slots([key for key in steps.slot_deletes if owner.get(key[0]) not in failed])
+    maps.write_slot_blocks({sid: [] for sid in steps.block_clears if owner[sid] not in failed})
     if failed:
         failed = _one_by_one(maps, steps, failed)
     if failed:
@@ -175,8 +188,10 @@ def _one_by_one(maps: Maps, steps: Plan, failed: set[Frontend]) -> set[Frontend]
     owner = {sid: f for f, sid in steps.service_ids.items()}
 
     def added(frontend: Frontend) -> list[SlotRef]:
+        """The kpr_slots entries the plan adds for it: above its old count, or all of
+        them when its slots move there from its block."""
         sid = steps.service_ids[frontend]
-        old = steps.old_counts.get(sid, 0)
+        old = 0 if sid in steps.block_clears else steps.old_counts.get(sid, 0)
         return [(sid, slot) for slot in slots.get(sid, {}) if slot > old]
 
     maps.delete_slots([key for frontend in failed for key in added(frontend)])
@@ -186,13 +201,12 @@ def _one_by_one(maps: Maps, steps: Plan, failed: set[Frontend]) -> set[Frontend]
         # name a backend that is not there
         sid = steps.service_ids[frontend]
         mine = slots.get(sid, {})
-        new = {
-            bid: steps.backend_writes[bid] for bid in mine.values() if bid in steps.backend_writes
-        }
+        named = [*mine.values(), *steps.block_writes.get(sid, ())]
+        new = {bid: steps.backend_writes[bid] for bid in named if bid in steps.backend_writes}
         ok = not maps.write_backends(new).failed
         ok = ok and not maps.write_slots({sid: mine} if mine else {}, owner).failed
-        if ok and frontend in steps.after:
-            ok = not maps.write_slot_blocks(slot_blocks([steps.after[frontend]])).failed
+        if ok and sid in steps.block_writes:
+            ok = not maps.write_slot_blocks({sid: steps.block_writes[sid]}).failed
         if ok and frontend in revnat:
             ok = not maps.write_revnat({revnat[frontend]: frontend}).failed
         if ok:
@@ -202,6 +216,8 @@ def _one_by_one(maps: Maps, steps: Plan, failed: set[Frontend]) -> set[Frontend]
             ok = not maps.write_masters([masters[frontend]]).failed
         if ok:
             maps.delete_slots([key for key in steps.slot_deletes if key[0] == sid])
+            if sid in steps.block_clears:
+                maps.write_slot_blocks({sid: []})
         else:
             maps.delete_slots(added(frontend))
             still.add(frontend)
@@ -212,8 +228,11 @@ class MemoryMaps:
     """In-memory maps with capacities. `check` runs after every write and delete,
     as a reader of the real maps could look at any moment."""
 
-    def __init__(self, capacity: int = 1 << 20, check=None) -> None:
+    def __init__(
+        self, capacity: int = 1 << 20, check=None, block_capacity: int = UNBOUNDED
+    ) -> None:
         self.capacity = capacity  # of each map
+        self.block_capacity = block_capacity  # of the slot block array (`in_block`)
         self.services: dict[Frontend, ServiceEntry] = {}  # masters (kpr_services4/6)
         self.slots: dict[SlotRef, int] = {}  # kpr_slots
         self.backends: dict[int, Backend] = {}
@@ -261,7 +280,8 @@ class MemoryMaps:
 
     def read(self) -> ProgrammedState:
         self.written = self._copy()
-        return decode(self.services, self.slots, self.backends, self.revnat, self.ranges)
+        tables = self.services, self.slots, self.backends, self.revnat, self.ranges
+        return decode(*tables, self.blocks, self.block_capacity)
 
     def write_backends(self, entries: dict[int, Backend]) -> WriteResult:
         return self._write(self.backends, entries)
@@ -311,8 +331,9 @@ class MemoryMaps:
     def write_slot_blocks(self, entries: dict[int, list[int]]) -> WriteResult:
         # an array: every index exists, nothing to fill up
         for sid, slots in entries.items():
-            self.blocks[sid] = self.written["blocks"][sid] = list(slots)
-            self._checked()
+            if sid < self.block_capacity:  # (past the array: left out, as BpfMaps does)
+                self.blocks[sid] = self.written["blocks"][sid] = list(slots)
+                self._checked()
         return WriteResult()
 
 
@@ -329,17 +350,15 @@ def consistent(maps: MemoryMaps) -> list[str]:
         if sid in owners:
             faults.append(f"{frontend}: service id {sid} is {owners[sid]}'s too")
         owners[sid] = frontend
-        block = maps.blocks.get(sid, []) if entry.count <= abi.BLOCK_SLOTS else []
+        # as bpf/lb.h reads: a slot from the block, unless it is 0 there, else kpr_slots
+        block = maps.blocks.get(sid, []) if entry.count <= abi.BLOCK_SLOTS else []  # (or past)
         for i in range(1, entry.count + 1):
-            backend_id = maps.slots.get((sid, i))
+            from_block = i <= len(block) and block[i - 1]
+            backend_id = block[i - 1] if from_block else maps.slots.get((sid, i))
             if backend_id is None:
                 faults.append(f"{frontend}: slot {i} of {entry.count} missing")
             elif backend_id not in maps.backends:
                 faults.append(f"{frontend}: slot {i} names absent backend {backend_id}")
-            # a block entry is read instead of the slot entry, unless it is 0; between a
-            # slot's write and its block's it may still name the slot's previous backend
-            if i <= len(block) and block[i - 1] and block[i - 1] not in maps.backends:
-                faults.append(f"{frontend}: slot block {i} names absent backend {block[i - 1]}")
         if entry.service_id not in maps.revnat:
             faults.append(f"{frontend}: no reverse entry for service {entry.service_id}")
         if entry.flags & abi.SVC_F_SOURCE_RANGES and entry.service_id not in ranged:
@@ -555,7 +574,7 @@ class BpfMaps:
     def read(self) -> ProgrammedState:
         """Everything the service, slot, backend and reverse maps hold, decoded; and, as
         it was read, taken as what they should hold (`unverified`)."""
-        seen = self.expected.current(["kpr_slot_blocks"])  # (not decoded: written whole)
+        seen: dict[str, int] = {}
         masters: dict[Frontend, ServiceEntry] = {}
         backends: dict[int, Backend] = {}
         revnat: dict[int, tuple] = {}
@@ -586,9 +605,11 @@ class BpfMaps:
                 abi.SLOT_KEY.iter_unpack(keys), abi.ID.iter_unpack(values), strict=True
             ):
                 slots[key] = bid
+        blocks = self._read_slot_blocks(seen)
         ranges = self.read_source_ranges()
         self.expected.settle(seen)
-        state = decode(masters, slots, backends, {}, ranges)
+        capacity = self.maps["kpr_slot_blocks"].info.max_entries
+        state = decode(masters, slots, backends, {}, ranges, blocks, capacity)
         by_id = {s.service_id: f for f, s in state.services.items()}
         for sid, (address, port) in revnat.items():
             full = by_id.get(sid)
@@ -598,6 +619,16 @@ class BpfMaps:
                 # an orphan: the protocol is not in the reverse entry; plan() deletes it
                 state.revnat[sid] = Frontend(address, port, "")
         return state.reindex()
+
+    def _read_slot_blocks(self, seen: dict[str, int]) -> dict[int, list[int]]:
+        """The slot blocks in use (not all zeros), by service id."""
+        blocks: dict[int, list[int]] = {}
+        for keys, values, count in self.expected.read("kpr_slot_blocks", seen):
+            ids = np.frombuffer(keys, np.uint32)
+            rows = np.frombuffer(values, np.uint32).reshape(count, abi.BLOCK_SLOTS)
+            used = rows.any(axis=1)
+            blocks.update(zip(ids[used].tolist(), rows[used].tolist(), strict=True))
+        return blocks
 
     def _write(self, batches: dict[str, _Packed], owners: Owners | None = None) -> WriteResult:
         """Batch-write packed entries, one syscall per map; on error fall back to

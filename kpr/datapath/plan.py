@@ -6,13 +6,16 @@ so that no lookup ever sees a half-written service:
 
   1. write new backends          4. write master entries (new count)
   2. write slots 1..count        5. delete slots above the count, masters of
-     (and slot blocks)              removed services, their reverse entries
-  3. write reverse entries and      and source ranges
+     (or the slot block)            removed services, their reverse entries
+  3. write reverse entries and      and source ranges; clear slot blocks
      source ranges               6. delete backends nothing references
 
 A reader that sees a master's count always finds slots 1..count filled with
-backends that exist. Slots are keyed by the frontend's service id (kpr_slots), so
-an id is given to a new frontend only once every entry of its previous one is gone:
+backends that exist. A frontend's slots are in one place, by its count: with at
+most BLOCK_SLOTS backends in its slot block (one array entry, at its service id),
+with more in kpr_slots (an entry per slot, keyed by service id and slot); `Plan`
+moves them when the count crosses over. Slots are keyed by the service id, so an
+id is given to a new frontend only once every entry of its previous one is gone:
 by a later plan than the one that frees it.
 """
 
@@ -28,6 +31,20 @@ from kpr.model import Backend, Frontend, FrontendState, IPNetwork, Translation, 
 
 SourceRange = tuple[int, IPNetwork]  # (service id, allowed source network)
 SlotRef = tuple[int, int]  # (service id, slot): a kpr_slots key
+
+UNBOUNDED = 1 << 32  # no service id is past the slot block array (in-memory maps)
+
+
+def in_block(service_id: int, count: int, block_capacity: int) -> bool:
+    """Whether a frontend with `count` backends has its slots in its slot block (else in
+    kpr_slots): as bpf/lb.h's kpr_slot_backend reads them."""
+    return count <= abi.BLOCK_SLOTS and service_id < block_capacity
+
+
+def slot_entries(count: int) -> int:
+    """The kpr_slots entries a frontend with `count` backends takes (for the capacity
+    check, which bounds service ids by the slot block array on its own)."""
+    return count if count > abi.BLOCK_SLOTS else 0
 
 
 def flags_of(state: FrontendState) -> int:
@@ -54,13 +71,15 @@ class ProgrammedState:
     backends: dict[int, Backend] = field(default_factory=dict)
     revnat: dict[int, Frontend] = field(default_factory=dict)
     source_ranges: dict[int, frozenset[IPNetwork]] = field(default_factory=dict)  # by service id
-    # slot entries no master counts (above the count, or no master has that service id):
-    # left by an interrupted write, removed by the next full plan
+    # kpr_slots entries no master reads there (above its count, its slots in its block,
+    # or no master has that service id): left by an interrupted write or by a build that
+    # kept every slot there, removed by the next full plan
     stray_slots: set[SlotRef] = field(default_factory=set)
+    block_capacity: int = UNBOUNDED  # entries of the slot block array (`in_block`)
     # indexes, so a plan for a few frontends costs nothing per other frontend
     backend_index: dict[Backend, int] = field(default_factory=dict)
     refs: Counter[int] = field(default_factory=Counter)  # slots naming each backend
-    slot_count: int = 0  # slots of all frontends (the capacity check's, without a walk)
+    slot_count: int = 0  # kpr_slots entries of all frontends (`slot_entries`, without a walk)
     max_backend_id: int = 0
     max_service_id: int = 0
     # ids up to max_service_id that nothing uses (no master, reverse entry or source
@@ -78,7 +97,7 @@ class ProgrammedState:
     def reindex(self) -> ProgrammedState:
         self.backend_index = {backend: bid for bid, backend in self.backends.items()}
         self.refs = Counter(b for s in self.services.values() for b in s.slots)
-        self.slot_count = sum(len(s.slots) for s in self.services.values())
+        self.slot_count = sum(slot_entries(len(s.slots)) for s in self.services.values())
         self.max_backend_id = max(self.backends, default=0)
         ids = self.service_ids_in_use()
         self.max_service_id = max(ids, default=0)
@@ -105,11 +124,16 @@ class Plan:
     backend_writes: dict[int, Backend] = field(default_factory=dict)
     # service id -> {slot: backend id}: a key per frontend, not per slot, is cheaper to build
     slot_writes: dict[int, dict[int, int]] = field(default_factory=dict)
+    # service id -> backend ids of slots 1..count: the whole block, written with the slots
+    block_writes: dict[int, list[int]] = field(default_factory=dict)
     revnat_writes: dict[int, Frontend] = field(default_factory=dict)
     range_writes: dict[SourceRange, Frontend] = field(default_factory=dict)
     master_writes: list[Master] = field(default_factory=list)
     master_deletes: list[Frontend] = field(default_factory=list)
     slot_deletes: list[SlotRef] = field(default_factory=list)
+    # service ids whose blocks no master reads any more (zeroed after the masters): a
+    # removed frontend's, one whose slots moved to kpr_slots
+    block_clears: list[int] = field(default_factory=list)
     revnat_deletes: dict[int, Frontend] = field(default_factory=dict)
     range_deletes: set[SourceRange] = field(default_factory=set)
     backend_deletes: dict[int, Backend] = field(default_factory=dict)
@@ -210,6 +234,7 @@ def plan(
     removed: list[int] = []
 
     known = programmed.backend_index
+    block_capacity = programmed.block_capacity
     for frontend in sorted(wanted_frontends, key=by_key):
         state = desired[frontend]
         wanted = [  # (ids start at 1; nothing known: a first sync, every backend is new)
@@ -222,7 +247,9 @@ def plan(
             service_id = new_service_id()
             out.service_ids[frontend] = service_id
             added.extend(wanted)
-            if wanted:
+            if wanted and in_block(service_id, len(wanted), block_capacity):
+                out.block_writes[service_id] = wanted
+            elif wanted:
                 out.slot_writes[service_id] = dict(enumerate(wanted, start=1))
             out.revnat_writes[service_id] = frontend
             for network in state.source_ranges:
@@ -241,13 +268,7 @@ def plan(
         slots = assign_slots(old_slots, wanted)
         added.extend(slots)
         removed.extend(old_slots)
-        changed = {
-            i: bid
-            for i, bid in enumerate(slots, start=1)
-            if i > len(old_slots) or old_slots[i - 1] != bid
-        }
-        if changed:
-            out.slot_writes[service_id] = changed
+        _place_slots(out, service_id, old_slots, slots, block_capacity)
         if programmed.revnat.get(service_id) != frontend:
             out.revnat_writes[service_id] = frontend
         old_ranges = programmed.source_ranges.get(service_id, frozenset())
@@ -270,13 +291,17 @@ def plan(
             out.after[frontend] = ProgrammedService(
                 service_id, slots, state.affinity_timeout, flags
             )
-        out.slot_deletes.extend((service_id, i) for i in range(len(slots) + 1, len(old_slots) + 1))
 
     for frontend in sorted(stale, key=by_key):
         current = programmed.services[frontend]
         out.service_ids[frontend] = current.service_id
         out.master_deletes.append(frontend)
-        out.slot_deletes.extend((current.service_id, i) for i in range(1, len(current.slots) + 1))
+        if in_block(current.service_id, len(current.slots), block_capacity):
+            out.block_clears.append(current.service_id)
+        else:
+            out.slot_deletes.extend(
+                (current.service_id, i) for i in range(1, len(current.slots) + 1)
+            )
         removed.extend(current.slots)
         if current.service_id in programmed.revnat:
             out.revnat_deletes[current.service_id] = programmed.revnat[current.service_id]
@@ -316,6 +341,35 @@ def plan(
     return out
 
 
+def _place_slots(
+    out: Plan, service_id: int, old_slots: list[int], slots: list[int], block_capacity: int
+) -> None:
+    """The writes and deletes that take a frontend's slots from `old_slots` to `slots`,
+    where each count keeps them (`in_block`): the changed ones in place, or all of them
+    moved to the other place, whose old entries go after the master."""
+    was_in_block = in_block(service_id, len(old_slots), block_capacity)
+    if in_block(service_id, len(slots), block_capacity):
+        if not was_in_block:
+            out.block_writes[service_id] = slots
+            out.slot_deletes.extend((service_id, i) for i in range(1, len(old_slots) + 1))
+        elif slots != old_slots:
+            # (fewer: the old tail stays, for a reader that read the old count)
+            out.block_writes[service_id] = slots + old_slots[len(slots) :]
+        return
+    if was_in_block:
+        out.slot_writes[service_id] = dict(enumerate(slots, start=1))
+        out.block_clears.append(service_id)
+        return
+    changed = {
+        i: bid
+        for i, bid in enumerate(slots, start=1)
+        if i > len(old_slots) or old_slots[i - 1] != bid
+    }
+    if changed:
+        out.slot_writes[service_id] = changed
+    out.slot_deletes.extend((service_id, i) for i in range(len(slots) + 1, len(old_slots) + 1))
+
+
 def apply_plan(programmed: ProgrammedState, steps: Plan) -> None:
     """Update the in-memory picture of the maps as if all of `steps` were written."""
     programmed.backends.update(steps.backend_writes)
@@ -327,9 +381,10 @@ def apply_plan(programmed: ProgrammedState, steps: Plan) -> None:
         current = programmed.services.get(frontend)
         if current:
             removed.extend(current.slots)
+            programmed.slot_count -= slot_entries(len(current.slots))
         added.extend(new.slots)
+        programmed.slot_count += slot_entries(len(new.slots))
     programmed.services.update(steps.after)
-    programmed.slot_count += len(added) - len(removed)
     programmed.refs.update(added)
     programmed.refs.subtract(Counter(removed))
     programmed.revnat.update(steps.revnat_writes)
@@ -340,7 +395,7 @@ def apply_plan(programmed: ProgrammedState, steps: Plan) -> None:
         gone = programmed.services.pop(frontend, None)
         if gone:
             programmed.refs.subtract(gone.slots)
-            programmed.slot_count -= len(gone.slots)
+            programmed.slot_count -= slot_entries(len(gone.slots))
             released.add(gone.service_id)
     programmed.stray_slots.difference_update(steps.slot_deletes)
     ranges = programmed.source_ranges

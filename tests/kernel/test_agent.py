@@ -341,7 +341,7 @@ def test_a_config_that_does_not_parse_is_refused_naming_the_field(tmp_path):
 def test_a_service_that_does_not_fit_is_left_out_whole_before_writing(lab, agent):
     source = agent.log.parent / "manifests"
     chosen = [str(p.ipv4) for p in lab.pods]
-    wide = [f"10.250.0.{i}" for i in range(1, 11)]
+    wide = [f"10.250.0.{i}" for i in range(1, 18)]  # more than a slot block holds
     kube.write(
         source,
         "services.yaml",
@@ -350,23 +350,24 @@ def test_a_service_that_does_not_fit_is_left_out_whole_before_writing(lab, agent
         kube.service("wide", ["10.96.0.50"], [("http", 80, "TCP")]),
         kube.endpoint_slice("wide", wide, [("http", 8080, "TCP")]),
     )
-    agent.args += ["--map-sizes", "slots=12"]  # echo takes 3 slots, wide would take 10
+    # echo's 3 slots are in its slot block, wide's 17 would be kpr_slots entries
+    agent.args += ["--map-sizes", "slots=12"]
     agent.start()
     agent.wait_synced()
     results = tcp_results(lab, 20)
     assert all("pod" in r for r in results)
     log = agent.log.read_text()
     assert "1 Services (1 frontends) left out, they do not fit the maps (default/wide)" in log
-    assert "kpr_slots needs 13 entries, max_entries 12" in log
+    assert "kpr_slots needs 17 entries, max_entries 12" in log
     assert "map write" not in log  # nothing was tried that does not fit
     # the start-up line: the knob's sizes, and the override
     assert "map sizes for 65536 Services x 10 endpoints (2 frontends each): " in log
     assert "; --map-sizes overrides slots=12 (derived 1310720)" in log
     status = status_json(agent.pin_dir)
     maps = status["maps"]
-    # wide left nothing behind: echo's master and its 3 slots only
+    # wide left nothing behind: echo's master only (its slots: its block)
     assert maps[f"{PIN_PREFIX}services4"]["entries"] == 1
-    assert maps[f"{PIN_PREFIX}slots"]["entries"] == 3
+    assert maps[f"{PIN_PREFIX}slots"]["entries"] == 0
     assert status["agent"]["failed"] == []
     left_out = status["agent"]["left_out"]
     assert (left_out["services"], left_out["frontends"]) == (1, 1)
@@ -540,7 +541,9 @@ def test_upgrade_from_abi_v1_serves_throughout_and_unpins_the_old_maps(
     ).stdout
     assert cgroup_programs.count("kpr_connect4") == 1  # the old program was replaced
     status = status_json(agent.pin_dir)
-    assert status["maps"][f"{PIN_PREFIX}slots"]["entries"] == 2 * 2 * 3  # 2 VIPs x 2 ports
+    # 2 VIPs x 2 ports, each with its slots in its slot block: none in kpr_slots
+    assert status["maps"][f"{PIN_PREFIX}slots"]["entries"] == 0
+    assert len(status["services"]) == 2 * 2
     echo(lab, source, pods=(2,))  # slot 1 rewritten, slots 2 and 3 deleted
     agent.wait_synced(after=time.time())
     assert {r["pod"] for r in tcp_results(lab, 20)} == {lab.pods[2].name}
@@ -564,9 +567,10 @@ def test_changing_map_sizes_swaps_in_new_maps_without_a_moment_without_service(l
     sizes = {name: maps[f"{PIN_PREFIX}{name}"]["max_entries"] for name in ("services4", "slots")}
     assert sizes == {"services4": 8192, "slots": 16384}
     assert maps[f"{PIN_PREFIX}backends4"]["max_entries"] == 4096
-    # refilled: 2 ports, a master and 3 slots each (and the IPv6 VIP's as many)
+    # refilled: 2 ports, a master each (and the IPv6 VIP's as many), their slots in
+    # their blocks
     assert maps[f"{PIN_PREFIX}services4"]["entries"] == 2
-    assert maps[f"{PIN_PREFIX}slots"]["entries"] == 2 * 2 * 3
+    assert maps[f"{PIN_PREFIX}slots"]["entries"] == 0
     assert not list(agent.pin_dir.glob("retired_*"))
     assert f"pinned map replaced: {PIN_PREFIX}services4" in agent.log.read_text()
 

@@ -14,6 +14,7 @@ from ipaddress import ip_address
 import pytest
 
 from kpr.agent.loop import Agent, AgentConfig
+from kpr.datapath import abi
 from kpr.datapath.abi import MapSizes
 from kpr.datapath.maps import BpfMaps
 from kpr.model import NodeContext
@@ -173,16 +174,22 @@ def test_connects_read_a_small_services_slot_block_and_fall_back_to_its_slots(cl
     frontend = Frontend(ip_address(VIP4), 80, "TCP")
     maps = BpfMaps(cluster.agent.config.pin_dir)  # (not the agent's: behind its back)
     service = maps.read().services[frontend]
-    # the slot entries gone behind the agent's back: the block still serves
-    maps.delete_slots([(service.service_id, slot) for slot in range(1, len(service.slots) + 1)])
+    sid, count = service.service_id, len(service.slots)
+    # a small Service's slots are in its block alone
+    slot_map = maps.maps["kpr_slots"]
+    assert [slot_map.lookup(abi.SlotKey(sid, i)) for i in range(1, count + 1)] == [None] * count
     results = cluster.probe("tcp", VIP4, 80, "--count", 12)
     assert {r.get("error") for r in results} == {None}
-    # and an empty block sends the hooks to the (missing) slot entries
-    maps.write_slot_blocks({service.service_id: []})
+    # an empty block sends the hooks to kpr_slots (a reader whose Service's slots just
+    # moved there): those serve, and with none there the connect is refused
+    maps.write_slots({sid: dict(enumerate(service.slots, start=1))})
+    maps.write_slot_blocks({sid: []})
+    assert {r.get("error") for r in cluster.probe("tcp", VIP4, 80, "--count", 12)} == {None}
+    maps.delete_slots([(sid, i) for i in range(1, count + 1)])
     assert {r.get("error") for r in cluster.probe("tcp", VIP4, 80, "--count", 3)} == {
         "EHOSTUNREACH"
     }
-    cluster.agent.sync(None, full=True)  # a full sync puts slots and block back
+    cluster.agent.sync(None, full=True)  # a full sync puts the block back
     assert {r.get("error") for r in cluster.probe("tcp", VIP4, 80, "--count", 12)} == {None}
     maps.close()
 

@@ -406,7 +406,7 @@ def test_map_entries_changed_deleted_or_added_behind_its_back_are_repaired(lab, 
     maps = BpfMaps(agent.pin_dir)
     stable = next(f for f in maps.read().services if str(f) == f"{STABLE_VIP}:80/TCP")
     pack_id = abi.ID.pack
-    block_map = maps.maps["kpr_slot_blocks"]
+    block_map, slot_map = maps.maps["kpr_slot_blocks"], maps.maps["kpr_slots"]
 
     def block_of(slots: list[int]) -> bytes:  # (the slots' backend ids, zeros after)
         return abi.SLOT_BLOCK.pack(*slots, *[0] * (abi.BLOCK_SLOTS - len(slots)))
@@ -417,7 +417,11 @@ def test_map_entries_changed_deleted_or_added_behind_its_back_are_repaired(lab, 
     # each on the stable Service's entries as they are then (a deleted master comes back
     # with another service id)
     drifts = {
-        "slot changed": lambda sid, slots: maps.maps["kpr_slots"].update_packed(
+        "slot changed": lambda sid, slots: block_map.update_packed(
+            pack_id(sid), block_of([slots[1], *slots[1:]])
+        ),
+        # (its slots are in its block: a kpr_slots entry is one no reader should find)
+        "slot entry added": lambda sid, slots: maps.maps["kpr_slots"].update_packed(
             abi.SLOT_KEY.pack(sid, 1), pack_id(slots[1])
         ),
         "master deleted": lambda sid, slots: maps.delete_masters([stable]),
@@ -452,6 +456,7 @@ def test_map_entries_changed_deleted_or_added_behind_its_back_are_repaired(lab, 
                     and now.revnat.get(service.service_id) == stable
                     and block_map.lookup_packed(pack_id(service.service_id))
                     == block_of(service.slots)
+                    and slot_map.lookup_packed(abi.SLOT_KEY.pack(service.service_id, 1)) is None
                 ):
                     break
                 assert time.monotonic() - began < 2 * SYNC_PERIOD + 2, f"{what}: not repaired"

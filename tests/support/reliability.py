@@ -22,6 +22,7 @@ from ipaddress import ip_address
 from pathlib import Path
 
 from kpr.cli.status import programmed_view, read_programmed
+from kpr.datapath import abi
 from kpr.datapath.plan import ProgrammedState
 from lab.netns import Lab
 from tests.support import kube
@@ -90,15 +91,16 @@ class Cluster:
 
 def expected_counts(view: dict[str, list[str]]) -> dict[str, int]:
     """Entries each map must hold for a view: a master per frontend in the service maps,
-    a slot per backend of each frontend (both families in one map), one entry per distinct
-    backend, one reverse entry per frontend."""
+    a kpr_slots entry per backend of each frontend with more than a slot block holds
+    (both families in one map), one entry per distinct backend, one reverse entry per
+    frontend."""
     counts = {f"{m}{v}": 0 for m in ("services", "backends", "revnat") for v in (4, 6)}
     counts["slots"] = 0
     backends: dict[int, set[str]] = {4: set(), 6: set()}
     for frontend, members in view.items():
         v = 6 if frontend.startswith("[") else 4
         counts[f"services{v}"] += 1
-        counts["slots"] += len(members)
+        counts["slots"] += len(members) if len(members) > abi.BLOCK_SLOTS else 0
         counts[f"revnat{v}"] += 1
         backends[v].update(members)
     for v in (4, 6):

@@ -51,10 +51,11 @@ def test_reread_counts_what_changed_behind_its_back_and_the_next_write_repairs_i
 
 def test_services_that_do_not_fit_are_left_out_whole_and_said_why():
     maps = MemoryMaps()
-    programmer = Programmer(maps, dataclasses.replace(sizes(100), slots=5))
+    big = abi.BLOCK_SLOTS + 1  # backends whose slots are kpr_slots entries
+    programmer = Programmer(maps, dataclasses.replace(sizes(100), slots=2 * big - 1))
     desired = Translation()
-    service(desired, "a", 1, backends=3)
-    b = service(desired, "b", 2, backends=3)  # 6 slots > 5
+    service(desired, "a", 1, backends=big)
+    b = service(desired, "b", 2, backends=big)  # one slot too many
     written = programmer.write(desired, None)
     assert written.left_out_now and not written.failed
     assert programmer.left_out == {b: ("default", "b")}
@@ -87,8 +88,8 @@ def test_a_check_finds_the_maps_as_written_until_something_changes_behind_its_ba
     programmer.write(desired, {a})  # a partial write keeps the maps as written too
     assert programmer.check() == [] and not programmer.plan_all
     sid = maps.services[b].service_id
-    maps.slots[(sid, 1)], maps.slots[(sid, 2)] = maps.slots[(sid, 2)], maps.slots[(sid, 1)]
-    assert programmer.check() == ["slots"]
+    maps.blocks[sid] = maps.blocks[sid][::-1]
+    assert programmer.check() == ["blocks"]
     programmer.reread()  # (what the maps hold, read: as written once more)
     assert programmer.check() == []
 

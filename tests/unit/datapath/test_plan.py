@@ -47,11 +47,17 @@ def sync(maps: MemoryMaps, translation: Translation) -> int:
 
 
 def assert_blocks_match_slots(maps: MemoryMaps) -> None:
-    """Once a plan is written, each small frontend's slot block is its slots, in order
-    (the socket hooks read the block first)."""
+    """Once a plan is written, each frontend's slots are in one place, as its count says:
+    a small frontend's in its slot block (its prefix: a block keeps the tail of a larger
+    count), a larger one's in kpr_slots only, and its block cleared."""
     for frontend, service in maps.read().services.items():
-        if len(service.slots) <= abi.BLOCK_SLOTS:
-            assert maps.blocks.get(service.service_id) == service.slots, frontend
+        sid, count = service.service_id, len(service.slots)
+        block = maps.blocks.get(sid, [])
+        in_slots = [maps.slots.get((sid, i)) for i in range(1, count + 1)]
+        if count <= abi.BLOCK_SLOTS:
+            assert (block[:count], in_slots) == (service.slots, [None] * count), frontend
+        else:
+            assert (any(block), in_slots) == (False, service.slots), frontend
 
 
 def served(maps: MemoryMaps) -> dict[Frontend, set[Backend]]:
@@ -86,6 +92,27 @@ def test_scale_down_and_up_keep_every_intermediate_state_consistent():
     assert served(maps) == {fe(1): {be(2), be(5), be(6), be(7), be(8), be(9)}}
 
 
+def test_slots_move_between_the_block_and_kpr_slots_as_the_count_crosses_over():
+    maps = strict_maps()  # every intermediate state served, as bpf/lb.h reads it
+    small, large = list(range(1, 1 + abi.BLOCK_SLOTS)), list(range(1, 2 + abi.BLOCK_SLOTS))
+    for backends in (small, large, small[:3], large, []):
+        sync(maps, want(a=backends))
+        assert served(maps) == {fe(1): {be(b) for b in backends}}
+        assert_blocks_match_slots(maps)
+        assert len(maps.slots) == (len(backends) if len(backends) > abi.BLOCK_SLOTS else 0)
+
+
+def test_a_service_id_past_the_slot_block_array_keeps_its_slots_in_kpr_slots():
+    maps = MemoryMaps(check=strict_maps().check, block_capacity=2)  # ids 0 and 1
+    sync(maps, want(a=[1, 2], b=[3]))
+    ids = {f: s.service_id for f, s in maps.read().services.items()}
+    assert ids == {fe(1): 1, fe(2): 2}
+    assert set(maps.slots) == {(2, 1)} and set(maps.blocks) == {1}
+    sync(maps, want(b=[3, 4]))
+    assert served(maps) == {fe(2): {be(3), be(4)}}
+    assert set(maps.slots) == {(2, 1), (2, 2)}
+
+
 def test_removed_service_leaves_no_entries_behind():
     maps = strict_maps()
     sync(maps, want(a=[1, 2], b=[3]))
@@ -93,7 +120,9 @@ def test_removed_service_leaves_no_entries_behind():
     assert served(maps) == {fe(2): {be(3)}}
     assert set(maps.backends.values()) == {be(3)}
     assert len(maps.revnat) == 1
-    assert (len(maps.services), len(maps.slots)) == (1, 1)  # b's master and its one slot
+    assert (len(maps.services), len(maps.slots)) == (1, 0)  # b's master (its slot: its block)
+    in_use = {sid for sid, block in maps.blocks.items() if any(block)}
+    assert in_use == {maps.services[fe(2)].service_id}  # a's block cleared
 
 
 def test_unchanged_backends_keep_their_slots():
@@ -121,7 +150,8 @@ def test_adopting_existing_maps_writes_only_the_difference():
     maps = strict_maps()
     sync(maps, want(a=[1, 2, 3], b=[4, 5]))
     steps = plan(maps.read(), want(a=[1, 2, 3], b=[4, 6]))
-    assert steps.slot_writes and not steps.master_writes
+    assert list(steps.block_writes) == [maps.services[fe(2)].service_id]
+    assert not steps.slot_writes and not steps.master_writes
     assert list(steps.backend_writes.values()) == [be(6)]
     assert list(steps.backend_deletes.values()) == [be(5)]
 
@@ -142,11 +172,13 @@ def test_stray_slots_from_an_interrupted_write_are_removed():
     sync(maps, want(a=[1, 2]))
     maps.check = None
     sid = maps.services[fe(1)].service_id
-    maps.slots[(sid, 7)] = maps.slots[(sid, 1)]  # above the count
-    maps.slots[(sid + 5, 1)] = maps.slots[(sid, 1)]  # a service id no master has
-    assert maps.read().stray_slots == {(sid, 7), (sid + 5, 1)}
+    maps.slots[(sid, 1)] = 1  # its slots are in its block (an older kpr wrote both)
+    maps.slots[(sid, 7)] = 1  # above the count
+    maps.slots[(sid + 5, 1)] = 1  # a service id no master has
+    assert maps.read().stray_slots == {(sid, 1), (sid, 7), (sid + 5, 1)}
     sync(maps, want(a=[1, 2]))
-    assert set(maps.slots) == {(sid, 1), (sid, 2)}
+    assert not maps.slots
+    assert served(maps) == {fe(1): {be(1), be(2)}}
 
 
 def test_apply_plan_predicts_what_the_maps_hold():
@@ -160,7 +192,8 @@ def test_apply_plan_predicts_what_the_maps_hold():
         assert predicted.backends == maps.read().backends
 
 
-backend_sets = st.lists(st.integers(min_value=1, max_value=12), max_size=8, unique=True)
+# (up to 20: across BLOCK_SLOTS, so slots move between the block and kpr_slots)
+backend_sets = st.lists(st.integers(min_value=1, max_value=24), max_size=20, unique=True)
 states = st.dictionaries(st.sampled_from("abcde"), backend_sets, max_size=5)
 
 
@@ -206,7 +239,8 @@ def test_plans_for_only_the_changed_frontends_end_in_the_same_maps(sequence):
         steps = plan(predicted, after, touched)
         assert not execute(maps, steps).failed
         apply_plan(predicted, steps)
-        assert predicted.slot_count == sum(len(s.slots) for s in predicted.services.values())
+        counts = [len(s.slots) for s in predicted.services.values()]
+        assert predicted.slot_count == sum(n for n in counts if n > abi.BLOCK_SLOTS)
         before = after
     assert served(maps) == {fe(ord(k) - 96): {be(b) for b in v} for k, v in sequence[-1].items()}
     referenced = {b for s in maps.read().services.values() for b in s.slots}
@@ -216,15 +250,16 @@ def test_plans_for_only_the_changed_frontends_end_in_the_same_maps(sequence):
 
 
 def test_when_the_map_fills_the_services_that_fit_are_written_whole():
-    # 12 entries in each map: a needs 3 slots, b needs 10; the batch that writes every
-    # slot first fills the slot map, and then b's master would count slots not there
-    maps = MemoryMaps(capacity=12)
-    steps = plan(maps.read(), want(a=[1, 2, 3], b=list(range(4, 14))))
+    # 30 entries in each map: a needs 17 slot entries, b 20 (more than a block holds);
+    # the batch that writes every slot first fills the slot map, and then b's master
+    # would count slots not there
+    maps = MemoryMaps(capacity=30)
+    steps = plan(maps.read(), want(a=list(range(1, 18)), b=list(range(1, 21))))
     result = execute(maps, steps)
     assert result.failed == {fe(2)}
-    assert served(maps) == {fe(1): {be(1), be(2), be(3)}}
+    assert served(maps) == {fe(1): {be(b) for b in range(1, 18)}}
     assert not consistent(maps)
-    assert (len(maps.services), len(maps.slots)) == (1, 3)  # b left nothing behind
+    assert (len(maps.services), len(maps.slots)) == (1, 17)  # b left nothing behind
     assert_blocks_match_slots(maps)  # a's block, written on the one-by-one path
 
 
@@ -346,6 +381,4 @@ def test_a_deleted_frontends_service_id_goes_to_a_later_plans_new_frontend():
     sync(maps, want(b=[3], c=[4], d=[5, 6]))  # the next new frontend takes a's
     assert maps.read().services[fe(4)].service_id == freed
     assert served(maps)[fe(4)] == {be(5), be(6)}
-    assert set(maps.slots) == {
-        (s.service_id, i) for s in maps.read().services.values() for i in (1, 2)[: len(s.slots)]
-    }
+    assert_blocks_match_slots(maps)
