@@ -124,13 +124,14 @@ static __always_inline struct kpr_affinity kpr_affinity_of(struct kpr_choice cho
 	return value;
 }
 
-/* A backend id's address (4 or 16 bytes written) and port; false: absent. */
+/* A backend id's address (4 or 16 bytes written) and port; false: absent (past
+ * the array, or an unused index: port 0). */
 static __always_inline bool kpr_backend(bool v6, __u32 id, void *address, __u16 *port)
 {
 	if (v6) {
 		struct kpr_backend6 *b = kpr_backends6.lookup(&id);
 
-		if (!b)
+		if (!b || !b->port)
 			return false;
 		__builtin_memcpy(address, b->address, 16);
 		*port = b->port;
@@ -138,7 +139,7 @@ static __always_inline bool kpr_backend(bool v6, __u32 id, void *address, __u16 
 	}
 	struct kpr_backend4 *b = kpr_backends4.lookup(&id);
 
-	if (!b)
+	if (!b || !b->port)
 		return false;
 	__builtin_memcpy(address, b->address, 4);
 	*port = b->port;

@@ -20,10 +20,11 @@ from pathlib import Path
 
 from kpr import model
 
-# a changed layout gets a new version, and so new pins. 2: the services maps hold masters
-# only; every frontend's slots are in kpr_slots, keyed by service id (1: slots in the
-# services maps, keyed by the frontend and the slot)
-ABI_VERSION = 2
+# a changed layout gets a new version, and so new pins. 3: the IPv4 backend and reverse
+# maps are arrays kpr mmaps, indexed by ids it reuses (2: hash maps; the services maps hold
+# masters only, slots keyed by service id; 1: slots in the services maps, keyed by the
+# frontend and the slot)
+ABI_VERSION = 3
 PIN_PREFIX = f"v{ABI_VERSION}_"  # every pin of this version starts so (kpr.h: KPR_PIN)
 
 
@@ -285,9 +286,10 @@ MAPS: dict[str, MapSpec] = {
         _spec("kpr_services4", BPF_MAP_TYPE_HASH, Frontend4Key, ServiceValue, "services"),
         _spec("kpr_services6", BPF_MAP_TYPE_HASH, Frontend6Key, ServiceValue, "services"),
         _spec("kpr_slots", BPF_MAP_TYPE_HASH, SlotKey, ct.c_uint32, "slots"),
-        _spec("kpr_backends4", BPF_MAP_TYPE_HASH, ct.c_uint32, Backend4, "backends"),
+        # (IPv4: arrays, ids index them below their max_entries; kpr.h says why not IPv6)
+        _spec("kpr_backends4", BPF_MAP_TYPE_ARRAY, ct.c_uint32, Backend4, "backends"),
         _spec("kpr_backends6", BPF_MAP_TYPE_HASH, ct.c_uint32, Backend6, "backends"),
-        _spec("kpr_revnat4", BPF_MAP_TYPE_HASH, ct.c_uint32, RevNat4, "revnat"),
+        _spec("kpr_revnat4", BPF_MAP_TYPE_ARRAY, ct.c_uint32, RevNat4, "revnat"),
         _spec("kpr_revnat6", BPF_MAP_TYPE_HASH, ct.c_uint32, RevNat6, "revnat"),
         _spec(
             "kpr_sock_revnat4",
@@ -374,7 +376,8 @@ def derive_sizes(max_services: int) -> dict[str, int]:
     return {
         "services": frontends,  # each of kpr_services4/6
         # each family; a quarter more for endpoints replaced during one sync (a backend
-        # is deleted after the slots that named it are rewritten)
+        # is deleted after the slots that named it are rewritten). Backend ids (of both
+        # families, one id space) index the IPv4 array: dual-stack needs twice as many
         "backends": endpoints + endpoints // 4,
         "revnat": frontends,  # service ids of both families: kpr_revnat4/6, slot blocks
         "sock_revnat": _FIXED["sock_revnat"],

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ctypes as ct
 import errno
+import mmap
 import os
 import struct
 from collections.abc import Iterator
@@ -126,6 +127,9 @@ class _ProgInfo(ct.Structure):
     ]
 
 
+BPF_F_MMAPABLE = 1 << 10  # an array user space can mmap
+
+
 @dataclass(frozen=True)
 class MapInfo:
     map_type: int
@@ -134,6 +138,7 @@ class MapInfo:
     value_size: int
     max_entries: int
     name: str
+    map_flags: int = 0
 
 
 @dataclass(frozen=True)
@@ -147,7 +152,13 @@ def map_info(fd: int) -> MapInfo:
     size = ct.c_uint32(ct.sizeof(info))
     _check(_libbpf.bpf_obj_get_info_by_fd(fd, ct.byref(info), ct.byref(size)), "map info")
     return MapInfo(
-        info.type, info.id, info.key_size, info.value_size, info.max_entries, info.name.decode()
+        info.type,
+        info.id,
+        info.key_size,
+        info.value_size,
+        info.max_entries,
+        info.name.decode(),
+        info.map_flags,
     )
 
 
@@ -276,6 +287,22 @@ class PinnedMap:
         ret = _libbpf.bpf_map_delete_elem(self.fd, key)
         if ret < 0 and (-ret if ret != -1 else ct.get_errno()) != errno.ENOENT:
             _check(ret, f"delete from {self.name}")
+
+    @property
+    def mmapable(self) -> bool:
+        return bool(self.info.map_flags & BPF_F_MMAPABLE)
+
+    @property
+    def stride(self) -> int:
+        """Bytes between an array's values as the kernel lays them out (mmap)."""
+        return -(-self.info.value_size // 8) * 8
+
+    def mapped(self) -> mmap.mmap:
+        """A BPF_F_MMAPABLE array's values, each padded to `stride`, mapped read-only:
+        read at memory speed; close it (`with`) so that it holds no RSS."""
+        return mmap.mmap(
+            self.fd, self.info.max_entries * self.stride, mmap.MAP_SHARED, mmap.PROT_READ
+        )
 
     def update_batch(self, keys: bytes, values: bytes, count: int) -> None:
         """One syscall for `count` packed entries. On error some may be written."""

@@ -26,8 +26,10 @@ _MAPS: dict[str, tuple[str, str]] = {
     "backends6": ("backends", "kpr_backends6"),
     "revnat4": ("revnat", "kpr_revnat4"),
     "revnat6": ("revnat", "kpr_revnat6"),
-    # the highest service id + 1: the slot blocks are an array indexed by service id
+    # the highest service id + 1: the slot blocks and reverse maps are arrays indexed by it
     "service_ids": ("revnat", "kpr_slot_blocks"),
+    # the highest backend id + 1: both families' ids index each backend array
+    "backend_ids": ("backends", "kpr_backends4"),
     "slots": ("slots", "kpr_slots"),
     "source_ranges": ("source_ranges", "kpr_source_ranges"),
 }
@@ -108,6 +110,7 @@ def used(programmed: ProgrammedState, exact: bool = True) -> dict[str, int]:
             out["backends" + family] = len(programmed.backends)
             out["revnat" + family] = len(programmed.revnat)
     out["service_ids"] = programmed.max_service_id + 1
+    out["backend_ids"] = programmed.max_backend_id + 1
     out["slots"] = sum(slot_entries(len(s.slots)) for s in programmed.services.values())
     out["slots"] += len(programmed.stray_slots)
     out["source_ranges"] = sum(len(n) for n in programmed.source_ranges.values())
@@ -128,7 +131,10 @@ def plan_fits(programmed: ProgrammedState, steps: Plan, sizes: abi.MapSizes) -> 
             len(programmed.revnat) + sum(i not in programmed.revnat for i in steps.revnat_writes),
             max(programmed.max_service_id, *steps.revnat_writes, 0) + 1,  # the slot blocks
         ),
-        "backends": len(programmed.backends) + len(steps.backend_writes),
+        "backends": max(
+            len(programmed.backends) + len(steps.backend_writes),
+            max(programmed.max_backend_id, *steps.backend_writes, 0) + 1,  # the arrays
+        ),
         "slots": slots + sum(len(w) for w in steps.slot_writes.values()),
         "source_ranges": ranges + len(steps.range_writes),
     }
@@ -219,6 +225,7 @@ def _total(
     b6 = sum(isinstance(b.address, IPv6Address) for b in backends)
     out["backends4"] += len(backends) - b6
     out["backends6"] += b6
+    out["backend_ids"] += max(0, len(backends) - len(programmed.free_backend_ids))
     return out
 
 
@@ -234,6 +241,8 @@ def _one_by_one(
     they fit."""
     taken = used(programmed)
     first_id, free, new_ids = taken["service_ids"], len(programmed.free_service_ids), 0
+    first_bid, free_bids = taken["backend_ids"], len(programmed.free_backend_ids)
+    held = taken["backends4"] + taken["backends6"]
     out = Fit(touched=planned)
     for service in sorted(groups, key=lambda s: (s not in incumbent, s)):
         frontends = groups[service]
@@ -241,6 +250,8 @@ def _one_by_one(
         after = _total(programmed, desired, frontends, taken)
         mine = sum(f not in programmed.services for f in frontends)
         after["service_ids"] = first_id + max(0, new_ids + mine - free)  # free ids first
+        added = after["backends4"] + after["backends6"] - held  # (new backends so far)
+        after["backend_ids"] = first_bid + max(0, added - free_bids)
         if service in incumbent or all(after[n] <= limits[n] for n in _MAPS):
             taken, new_ids = after, new_ids + mine
         else:

@@ -22,7 +22,7 @@ from typing import NamedTuple, Protocol
 import numpy as np
 
 from kpr.datapath import abi, bpfsys, flows
-from kpr.datapath.expected import Expected
+from kpr.datapath.expected import Expected, array_entries
 from kpr.datapath.plan import (
     UNBOUNDED,
     Master,
@@ -530,6 +530,10 @@ CHECKED = (
 )
 
 
+# arrays whose entries are what kpr wrote, by id (`fill` counts them like a hash map's)
+_ID_INDEXED = ("kpr_backends4", "kpr_revnat4")
+
+
 class BpfMaps:
     """The pinned kernel maps of one pin directory."""
 
@@ -656,6 +660,11 @@ class BpfMaps:
     def _delete(self, batches: dict[str, _Packed]) -> None:
         for name, batch in batches.items():
             pinned = self.maps[name]
+            if pinned.info.map_type == abi.BPF_MAP_TYPE_ARRAY:
+                # (an array's entries cannot be deleted: all zeros is none there)
+                zeros = bytearray(len(batch.labels) * pinned.info.value_size)
+                self._write({name: _Packed(batch.keys, zeros, batch.labels)})
+                continue
             keys = bytes(batch.keys)
             replaced = self.expected.before(name, keys)
             try:
@@ -818,11 +827,14 @@ class BpfMaps:
             pinned = self.maps.get(name)
             if pinned is None:
                 continue
-            # an array has every index: it never fills (the ring is reused by design, and
-            # slot blocks are bounded by service ids, i.e. by the revnat maps)
-            if spec.map_type in (abi.BPF_MAP_TYPE_ARRAY, abi.BPF_MAP_TYPE_PERCPU_ARRAY):
+            # the arrays indexed by backend and service ids: the entries in use (ids are
+            # reused, so they stay as few as the entries); the other arrays never fill (the
+            # ring is reused by design, slot blocks are bounded by the revnat maps' ids)
+            if spec.map_type == abi.BPF_MAP_TYPE_ARRAY and name in _ID_INDEXED:
+                used = array_entries(pinned)[2]
+            elif spec.map_type in (abi.BPF_MAP_TYPE_ARRAY, abi.BPF_MAP_TYPE_PERCPU_ARRAY):
                 continue
-            if spec.map_type == abi.BPF_MAP_TYPE_LPM_TRIE:  # no batch lookups
+            elif spec.map_type == abi.BPF_MAP_TYPE_LPM_TRIE:  # no batch lookups
                 used = sum(1 for _ in pinned.all_keys())
             else:
                 used = sum(count for _, _, count in pinned.dump())

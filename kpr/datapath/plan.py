@@ -86,6 +86,9 @@ class ProgrammedState:
     # range), in order: a new frontend takes the lowest, so ids stay as few as the
     # frontends, within the slot block array (whose size is the revnat maps')
     free_service_ids: list[int] = field(default_factory=list)
+    # the same for backend ids, which index the backend arrays (and so must stay below
+    # their size however long the churn)
+    free_backend_ids: list[int] = field(default_factory=list)
 
     def service_ids_in_use(self) -> set[int]:
         return (
@@ -104,6 +107,8 @@ class ProgrammedState:
         # (bounded: a map written by hand may hold any id, and a few free ones suffice)
         below = min(self.max_service_id, len(ids) + 65536)
         self.free_service_ids = [i for i in range(1, below) if i not in ids]
+        below = min(self.max_backend_id, len(self.backends) + 65536)
+        self.free_backend_ids = [i for i in range(1, below) if i not in self.backends]
         return self
 
 
@@ -148,6 +153,8 @@ class Plan:
     backend_ids: dict[Backend, int] = field(default_factory=dict)
     # how many of ProgrammedState.free_service_ids the new frontends took (not a write)
     reused_service_ids: int = 0
+    # and of free_backend_ids, the new backends
+    reused_backend_ids: int = 0
 
     def is_empty(self) -> bool:
         return self.writes() == 0
@@ -162,6 +169,7 @@ class Plan:
             "after",
             "backend_ids",
             "reused_service_ids",
+            "reused_backend_ids",
         )
         return slots + sum(len(v) for k, v in vars(self).items() if k not in skip)
 
@@ -226,9 +234,18 @@ def plan(
         next_service_id += 1
         return next_service_id
 
-    # new backends get the ids after the highest in use, in order of first use
+    # new backends take the free ids first, then those after the highest in use, in order
+    # of first use (an id this plan frees is reused by a later plan, as service ids are)
     new_backends: dict[Backend, int] = {}
+    free_backend_ids = programmed.free_backend_ids
     first_new_id = programmed.max_backend_id + 1
+
+    def new_backend_id() -> int:
+        n = len(new_backends)
+        if n < len(free_backend_ids):
+            return free_backend_ids[n]
+        return first_new_id + n - len(free_backend_ids)
+
     # slots that will name each backend, and slots that did: counted once at the end
     added: list[int] = []
     removed: list[int] = []
@@ -238,7 +255,9 @@ def plan(
     for frontend in sorted(wanted_frontends, key=by_key):
         state = desired[frontend]
         wanted = [  # (ids start at 1; nothing known: a first sync, every backend is new)
-            (known and known.get(b)) or new_backends.setdefault(b, first_new_id + len(new_backends))
+            (known and known.get(b))
+            or new_backends.get(b)
+            or new_backends.setdefault(b, new_backend_id())
             for b in state.backends
         ]
         current = programmed.services.get(frontend)
@@ -310,6 +329,7 @@ def plan(
         )
 
     out.backend_ids = new_backends
+    out.reused_backend_ids = min(len(new_backends), len(free_backend_ids))
     out.backend_writes = dict(zip(new_backends.values(), new_backends, strict=True))
     refs = Counter(added)  # change in the number of slots naming each backend
     refs.subtract(Counter(removed))
@@ -389,6 +409,7 @@ def apply_plan(programmed: ProgrammedState, steps: Plan) -> None:
     programmed.refs.subtract(Counter(removed))
     programmed.revnat.update(steps.revnat_writes)
     del programmed.free_service_ids[: steps.reused_service_ids]
+    del programmed.free_backend_ids[: steps.reused_backend_ids]
     programmed.max_service_id = max(programmed.max_service_id, *steps.revnat_writes, 0)
     released = set(steps.revnat_deletes)
     for frontend in steps.master_deletes:
@@ -418,4 +439,6 @@ def apply_plan(programmed: ProgrammedState, steps: Plan) -> None:
         backend = programmed.backends.pop(bid, None)
         if backend is not None:
             programmed.backend_index.pop(backend, None)
+            if bid <= programmed.max_backend_id:
+                bisect.insort(programmed.free_backend_ids, bid)
         programmed.refs.pop(bid, None)

@@ -57,7 +57,7 @@ def test_a_change_behind_kprs_back_is_found_in_its_map_until_the_maps_are_read_a
     maps.write_slots({7: {1: 1, 2: 2}})
     maps.write_slot_blocks({7: [1, 2]})
     maps.maps["kpr_slots"].update_packed(abi.SLOT_KEY.pack(7, 1), abi.ID.pack(2))
-    maps.maps["kpr_backends4"].delete_packed(abi.ID.pack(3))
+    maps.maps["kpr_backends4"].update_packed(abi.ID.pack(3), bytes(8))  # (an array: zeroed)
     maps.maps["kpr_slot_blocks"].update_packed(abi.ID.pack(7), abi.SLOT_BLOCK.pack(*[0] * 16))
     maps.maps["kpr_revnat6"].update_packed(abi.ID.pack(5), abi.BACKEND6.pack(bytes(16), 80))
     assert sorted(maps.unverified() or []) == sorted(
@@ -73,7 +73,8 @@ def test_a_change_behind_kprs_back_is_found_in_its_map_until_the_maps_are_read_a
 
 
 def test_a_check_stops_when_asked_and_the_next_goes_on_from_there(maps):
-    maps.write_backends(backends(1, 12000))  # (two batch reads)
+    # (a hash map of two batch reads: the arrays are mmapped, read at once)
+    maps.write_slots({1: {slot: 2 for slot in range(1, 12001)}})
     asked = []
 
     def interrupted() -> bool:
@@ -87,6 +88,6 @@ def test_a_check_stops_when_asked_and_the_next_goes_on_from_there(maps):
 
 def test_a_change_behind_kprs_back_to_an_empty_map_is_found_after_a_large_write(maps):
     # (a write into a map expected empty looks nothing up: the check still sees the rest)
-    maps.maps["kpr_backends4"].update_packed(abi.ID.pack(99999), abi.BACKEND4.pack(bytes(4), 1))
+    maps.maps["kpr_backends4"].update_packed(abi.ID.pack(9999), abi.BACKEND4.pack(bytes(4), 1))
     maps.write_backends(backends(1, 5000))
     assert maps.unverified() == ["kpr_backends4"]

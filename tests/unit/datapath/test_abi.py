@@ -55,9 +55,9 @@ def test_constants_handed_to_the_compile_are_abi_py_s():
 
 
 def test_the_services_maps_hold_one_master_per_frontend_and_slots_are_family_free():
-    """ABI v2: a services key is the frontend alone (no slot); every frontend's slots, of
-    both families, are in kpr_slots under its service id."""
-    assert abi.ABI_VERSION == 2
+    """ABI v2 on: a services key is the frontend alone (no slot); a frontend's slots, of
+    both families, are keyed by its service id."""
+    assert abi.ABI_VERSION >= 2
     assert [name for name, *_ in abi.Frontend4Key._fields_] == [
         "address",
         "port",
@@ -69,6 +69,19 @@ def test_the_services_maps_hold_one_master_per_frontend_and_slots_are_family_fre
     assert abi.MAPS["kpr_slots"].size == "slots"
     assert f"-DKPR_SLOTS_MAX={abi.MapSizes().slots}" in abi.MapSizes().cflags()
     assert abi.MapSizes.parse("slots=4096").slots == 4096
+
+
+def test_maps_indexed_by_ids_kpr_gives_out_are_arrays():
+    """ABI v3: IPv4 backends by backend id, IPv4 reverse entries and slot blocks by
+    service id are arrays (mmapped by the full sync's check)."""
+    assert abi.ABI_VERSION == 3
+    arrays = {n for n, s in abi.MAPS.items() if s.map_type == abi.BPF_MAP_TYPE_ARRAY}
+    indexed = {"kpr_backends4", "kpr_revnat4", "kpr_slot_blocks"}
+    assert indexed <= arrays
+    header = (abi.BPF_DIR / "kpr.h").read_text()
+    for name in indexed:
+        declared = header[header.index(f" {name},") :].split(";")[0]
+        assert "BPF_F_MMAPABLE" in declared, name
 
 
 def test_struct_formats_pack_the_same_bytes_as_the_ctypes_mirror():

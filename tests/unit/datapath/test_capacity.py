@@ -152,12 +152,13 @@ def test_the_plan_bound_passes_what_fits_and_never_what_does_not():
         service(desired, name, n, ports=2, backends=3)  # 6 masters, 18 slots, 9 backends
     service(desired, "d", 4, ports=1, backends=BIG)  # 1 master, 17 kpr_slots entries
     maps = MemoryMaps()
-    assert plan_fits(maps.read(), plan(maps.read(), desired), sizes(26))
-    assert not plan_fits(maps.read(), plan(maps.read(), desired), sizes(25))  # 26 backends
+    # (26 backends: ids 1..26 index the backend arrays, which need 27 entries)
+    assert plan_fits(maps.read(), plan(maps.read(), desired), sizes(27))
+    assert not plan_fits(maps.read(), plan(maps.read(), desired), sizes(26))
     assert not plan_fits(maps.read(), plan(maps.read(), desired), slots(16))  # 17 entries
     execute(maps, plan(maps.read(), desired))
     steady = maps.read()
-    assert plan(steady, desired).is_empty() and plan_fits(steady, plan(steady, desired), sizes(26))
+    assert plan(steady, desired).is_empty() and plan_fits(steady, plan(steady, desired), sizes(27))
     service(desired, "e", 5, ports=1, backends=1)  # one more master, backend, id
-    assert not plan_fits(steady, plan(steady, desired), sizes(26))
-    assert plan_fits(steady, plan(steady, desired), sizes(27))
+    assert not plan_fits(steady, plan(steady, desired), sizes(27))
+    assert plan_fits(steady, plan(steady, desired), sizes(28))

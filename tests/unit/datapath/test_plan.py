@@ -113,6 +113,14 @@ def test_a_service_id_past_the_slot_block_array_keeps_its_slots_in_kpr_slots():
     assert set(maps.slots) == {(2, 1), (2, 2)}
 
 
+def test_backend_ids_are_reused_so_they_stay_as_few_as_the_backends():
+    # (they index the backend arrays: churn must not walk them past the end)
+    maps = strict_maps()
+    for generation in range(20):
+        sync(maps, want(a=[3 * generation + i for i in (1, 2, 3)]))
+    assert set(maps.read().backends) <= set(range(1, 7))  # in use, and freed by the last
+
+
 def test_removed_service_leaves_no_entries_behind():
     maps = strict_maps()
     sync(maps, want(a=[1, 2], b=[3]))
