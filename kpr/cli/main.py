@@ -101,6 +101,9 @@ def _bind(server: BackgroundServer, flag: str, address: str) -> None:
         raise host.SetupError(f"{flag} {address}: cannot listen there: {err}") from None
 
 
+SWITCH_INTERVAL = 0.0005  # seconds (Python's default: 0.005)
+
+
 @app.command()
 def run(
     source: Annotated[
@@ -311,6 +314,10 @@ def run(
     stop = threading.Event()
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: stop.set())
+    # a thread that gives up the GIL for a syscall (each map write does) waits for it up to
+    # the switch interval while another thread computes (the run-state file's serializer):
+    # 5 ms by default, 10 map writes of a change made 100 ms of it at 100,000 Services
+    sys.setswitchinterval(SWITCH_INTERVAL)
     try:
         agent.run(stop)
     finally:

@@ -10,6 +10,8 @@ from ipaddress import ip_address
 import pytest
 
 from kpr.datapath import abi, loader
+from kpr.datapath.digest import combine, digest
+from kpr.datapath.expected import array_entries
 from kpr.datapath.maps import BpfMaps
 from kpr.model import Backend
 
@@ -91,3 +93,21 @@ def test_a_change_behind_kprs_back_to_an_empty_map_is_found_after_a_large_write(
     maps.maps["kpr_backends4"].update_packed(abi.ID.pack(9999), abi.BACKEND4.pack(bytes(4), 1))
     maps.write_backends(backends(1, 5000))
     assert maps.unverified() == ["kpr_backends4"]
+
+
+def test_an_mmapped_array_holds_what_its_batch_reads_return(maps):
+    # (the check reads the arrays through mmap: the same entries, at the same indexes)
+    maps.write_backends(backends(1, 3000))
+    maps.delete_backends(backends(7, 5))  # (zeros: entries no more)
+    maps.write_slot_blocks({3: [1, 2], 2000: list(range(1, 17))})
+    for name in ("kpr_backends4", "kpr_slot_blocks"):
+        pinned = maps.maps[name]
+        size = (pinned.info.key_size, pinned.info.value_size)
+        batches = combine(*(digest(k, v, *size, True) for k, v, _ in pinned.dump()))
+        keys, values, count = array_entries(pinned)
+        assert (count, digest(keys, values, *size, True)) == (
+            {"kpr_backends4": 2995, "kpr_slot_blocks": 2}[name],
+            batches,
+        )
+    keys, _, _ = array_entries(maps.maps["kpr_slot_blocks"])
+    assert keys == abi.ID.pack(3) + abi.ID.pack(2000)
