@@ -468,6 +468,11 @@ class Agent:
                 written.failed, problems, time.time(), dict(left_out), left_out_why, False
             )
             self._save_state()
+        elif full and not interrupted and self.clock() - self._saved_at > 10 * self._desired_save_s:
+            # changes left the desired state unsaved (the run loop waits for quiet): a full
+            # sync writes it, at most a tenth of the time, so that `kpr status` compares the
+            # maps with what is wanted now, not before the last changes
+            self._save_state()
         now = time.time()
         self.last_sync = now
         if full and not interrupted:
