@@ -19,6 +19,13 @@ child cgroup and a pin directory of its own. Measured:
 Each size is written to the --json file as soon as it is measured; --resume skips the
 sizes the file already has (a run of every size takes longer than one sitting).
 
+    python -m bench.agent_cost --services 10000 --churn 3600 \
+        --json docs/results/agent-churn.json --resume
+
+instead runs a day's churn in little: one endpoint change a second for --churn seconds,
+the agent's RSS sampled every minute, and prints the growth after --warm-up seconds:
+the least-squares slope (MB an hour) and the range (max - min) of the samples.
+
     python -m bench.agent_cost --json docs/results/agent-cost.json \
         --plot docs/results/agent-cost.png --kube-proxy docs/results/bench-api-1k-10k.json
 
@@ -139,6 +146,51 @@ def measure(services: int, endpoints: int, idle: float, changes: int, interval: 
             }
 
 
+def churn(services: int, endpoints: int, seconds: float, warm_up: float) -> dict:
+    """One endpoint change a second for `seconds`; the agent's RSS every minute."""
+    minutes = max(1, int(seconds // 60))
+    with TestApiServer(bookmark_interval=5.0, history_size=500) as api:
+        populate(api, services, endpoints)
+        with running_agent(api, "--max-services", str(max_services(services))) as (agent, pin):
+            runstate.wait_synced(pin, agent, timeout=1200)
+            maps = BpfMaps(pin)
+            samples: list[tuple[float, float]] = []
+            latencies: list[float] = []
+            began = time.monotonic()
+            try:
+                for minute in range(minutes):
+                    latencies += endpoint_changes(
+                        api, maps, services, endpoints, 60, 1.0, made=60 * minute
+                    )
+                    samples.append((time.monotonic() - began, rss_mb(agent.pid)))
+                    print(
+                        f"{services}: {samples[-1][0]:.0f} s, {samples[-1][1]:.1f} MB", flush=True
+                    )
+            finally:
+                maps.close()
+    after = [(t, mb) for t, mb in samples if t >= warm_up] or samples
+    return {
+        "services": services,
+        "endpoints": endpoints,
+        "churn_seconds": round(samples[-1][0], 1),
+        "changes": len(latencies),
+        "warm_up_s": warm_up,
+        "rss_samples_mb": [[round(t, 1), round(mb, 2)] for t, mb in samples],
+        "rss_slope_mb_per_hour": round(3600 * slope(after), 2),
+        "rss_range_after_warm_up_mb": round(
+            max(mb for _, mb in after) - min(mb for _, mb in after), 2
+        ),
+        "change_p99_ms": round(1000 * sorted(latencies)[int(0.99 * (len(latencies) - 1))], 2),
+    }
+
+
+def slope(points: list[tuple[float, float]]) -> float:
+    """The least-squares slope of (x, y) points; 0 for fewer than two."""
+    if len(points) < 2:
+        return 0.0
+    return statistics.linear_regression([x for x, _ in points], [y for _, y in points]).slope
+
+
 # title, keys (a line each), scale, log y
 PANELS = (
     ("idle CPU, % of a core", ("idle_cpu_percent",), 1, True),
@@ -201,6 +253,8 @@ def main() -> int:
     parser.add_argument("--interval", type=float, default=1.0, help="seconds between changes")
     parser.add_argument("--json", type=Path, help="results, each size written as it is done")
     parser.add_argument("--resume", action="store_true", help="skip the sizes --json has")
+    parser.add_argument("--churn", type=float, help="seconds of one change a second, RSS slope")
+    parser.add_argument("--warm-up", type=float, default=600.0, help="--churn: not in the slope")
     parser.add_argument("--plot", type=Path, help="draw --json's results here, run nothing")
     parser.add_argument("--kube-proxy", type=Path, help="a `kpr bench --api` report (--plot)")
     args = parser.parse_args()
@@ -216,7 +270,10 @@ def main() -> int:
         if any(r["services"] == services for r in results):
             print(f"{services}: in {args.json} already", flush=True)
             continue
-        result = measure(services, args.endpoints, args.idle, args.changes, args.interval)
+        if args.churn:
+            result = churn(services, args.endpoints, args.churn, args.warm_up)
+        else:
+            result = measure(services, args.endpoints, args.idle, args.changes, args.interval)
         print(json.dumps(result), flush=True)
         results = sorted([*results, result], key=lambda r: r["services"])
         if args.json:

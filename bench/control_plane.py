@@ -102,13 +102,20 @@ def running_agent(api: TestApiServer, *options: str) -> Iterator[tuple[subproces
 
 
 def endpoint_changes(
-    api: TestApiServer, maps: BpfMaps, services: int, endpoints: int, count: int, interval: float
+    api: TestApiServer,
+    maps: BpfMaps,
+    services: int,
+    endpoints: int,
+    count: int,
+    interval: float,
+    made: int = 0,
 ) -> list[float]:
-    """`count` changes, each one endpoint of a random Service replaced by a new address,
+    """`count` changes, each one endpoint of a random Service replaced by a new address
+    (`made`: how many changes earlier calls made, whose addresses are not reused),
     `interval` apart: seconds from the API server accepting each to the new backend in
     the kernel maps (looked up from this process), sorted."""
     latencies = []
-    next_address = ENDPOINT_BASE + services * endpoints
+    next_address = ENDPOINT_BASE + services * endpoints + made
     for _ in range(count):
         i = random.randrange(services)
         vip = str(VIP_BASE + i)
