@@ -5,7 +5,8 @@ no thread until its request arrives: accepted connections wait in a selector, a 
 that has begun is handed to one of at most `max_connections` threads, and a client has
 `request_timeout` from connecting to send its request and read the reply (each read and
 write is bounded by what is left). Beyond MAX_WAITING idle connections, the one that has
-waited longest is closed.
+waited longest is closed. The server's thread sleeps until a socket or a deadline needs
+it (no polling: an idle server costs no CPU) and `stop` wakes it.
 """
 
 from __future__ import annotations
@@ -23,10 +24,6 @@ from typing import cast
 
 log = logging.getLogger(__name__)
 
-# how soon stop() is noticed, and a connection held for a free thread is picked up (a new
-# connection wakes the server at once); each poll costs CPU: 20 a second were 0.1% of a core
-# per server, idle
-POLL_INTERVAL = 0.5
 REQUEST_TIMEOUT = 10.0  # seconds a client has to send its request (and to read the reply)
 MAX_CONNECTIONS = 64  # requests served at once, a thread each
 MAX_WAITING = 128  # connections waiting for their request to begin: a descriptor each, and
@@ -75,24 +72,53 @@ class BoundedThreadingMixIn(socketserver.ThreadingMixIn, socketserver.TCPServer)
         self._waiting[connection] = (deadline, client_address)
         self._selector.register(connection, selectors.EVENT_READ)
 
-    def service_actions(self) -> None:
-        """Each turn of serve_forever: hand begun requests to threads, close idle ones."""
-        super().service_actions()
-        if not self._waiting:
+    def serve(self, wake: socket.socket) -> None:
+        """Until `wake` is readable: accept connections, hand each request that has begun
+        to a thread, close those that waited past their time. Sleeps until one of them is
+        due (the first deadline of a waiting connection, or none)."""
+        selector = self._selector
+        selector.register(self.socket, selectors.EVENT_READ)
+        selector.register(wake, selectors.EVENT_READ)
+        while True:
+            timeout = None
+            if self._waiting:
+                first_deadline, _ = next(iter(self._waiting.values()))
+                timeout = max(0.0, first_deadline - time.monotonic())
+            for key, _ in selector.select(timeout):
+                if key.fileobj is wake:
+                    return
+                if key.fileobj is self.socket:
+                    self._accept()
+                else:
+                    self._begin(cast(socket.socket, key.fileobj))
+            self._drop_expired()
+
+    def _accept(self) -> None:
+        try:
+            request, client_address = self.get_request()
+        except OSError:
+            return  # gone before it was accepted
+        self.process_request(request, client_address)  # (waits in the selector)
+
+    def _begin(self, request: socket.socket) -> None:
+        """A waiting connection's request has begun: serve it in a thread, once one is free
+        (while all are busy the server waits for one, within the client's time)."""
+        if request not in self._waiting:
+            return  # dropped in this turn, for a newer connection
+        deadline, client_address = self._waiting.pop(request)
+        self._selector.unregister(request)
+        if not self._slots.acquire(timeout=max(0.0, deadline - time.monotonic())):
+            self.shutdown_request(request)
             return
-        for key, _ in self._selector.select(timeout=0):
-            request = cast(socket.socket, key.fileobj)  # (only connections are registered)
-            if not self._slots.acquire(blocking=False):
-                break  # every thread busy: the rest wait for the next turn
-            deadline, client_address = self._waiting.pop(request)
-            self._selector.unregister(request)
-            # what is left of the client's time bounds each read and write from here on
-            request.settimeout(max(0.001, deadline - time.monotonic()))
-            try:
-                super().process_request(request, client_address)
-            except BaseException:
-                self._slots.release()
-                raise
+        # what is left of the client's time bounds each read and write from here on
+        request.settimeout(max(0.001, deadline - time.monotonic()))
+        try:
+            super().process_request(request, client_address)
+        except BaseException:
+            self._slots.release()
+            raise
+
+    def _drop_expired(self) -> None:
         now = time.monotonic()
         for request, (deadline, _) in list(self._waiting.items()):
             if deadline > now:
@@ -114,6 +140,8 @@ class BoundedThreadingMixIn(socketserver.ThreadingMixIn, socketserver.TCPServer)
     def server_close(self) -> None:
         for request in list(getattr(self, "_waiting", {})):
             self._drop(request)
+        if hasattr(self, "_selector"):
+            self._selector.close()
         super().server_close()
 
 
@@ -133,10 +161,11 @@ class BackgroundServer:
         self.requested_port = port
         self.request_timeout = request_timeout
         self.max_connections = max_connections
-        self._server: socketserver.TCPServer | None = None
+        self._server: BoundedThreadingMixIn | None = None
         self._thread: threading.Thread | None = None
+        self._wake: tuple[socket.socket, socket.socket] | None = None  # (the thread's, stop's)
 
-    def _make_server(self) -> socketserver.TCPServer:
+    def _make_server(self) -> BoundedThreadingMixIn:
         raise NotImplementedError
 
     @property
@@ -150,27 +179,29 @@ class BackgroundServer:
         """Take the port now (OSError if it is in use); serve from `start()`."""
         if self._server is None:
             server = self._make_server()
-            if isinstance(server, BoundedThreadingMixIn):
-                server.request_timeout = self.request_timeout
-                server.max_connections = self.max_connections
-                server._slots = threading.BoundedSemaphore(self.max_connections)
+            server.request_timeout = self.request_timeout
+            server.max_connections = self.max_connections
+            server._slots = threading.BoundedSemaphore(self.max_connections)
             self._server = server
 
     def start(self) -> None:
         self.bind()
         assert self._server is not None
+        self._wake = socket.socketpair()
         self._thread = threading.Thread(
-            target=self._server.serve_forever, args=(POLL_INTERVAL,), name=self.name, daemon=True
+            target=self._server.serve, args=(self._wake[0],), name=self.name, daemon=True
         )
         self._thread.start()
 
     def stop(self) -> None:
         if self._server is None:
             return
-        if self._thread is not None:
-            self._server.shutdown()
-        self._server.server_close()
-        if self._thread is not None:
+        if self._thread is not None and self._wake is not None:
+            self._wake[1].send(b"x")
             self._thread.join()
+            for end in self._wake:
+                end.close()
+        self._server.server_close()
         self._server = None
         self._thread = None
+        self._wake = None

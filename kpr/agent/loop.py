@@ -233,6 +233,8 @@ class Agent:
         self._previous: runstate.RunState | None = None
         self.kernel_headers: host.KernelHeaders | None = None  # chosen by start()
         self._removed = False  # by `kpr cleanup --force`: programming nothing more
+        # (its marker's path resolved once: it is looked for every turn of the loop)
+        self._removed_marker = runstate.removed_path(config.pin_dir)
         self._local_endpoints: set | None = None  # as written to kpr_local_endpoints
         self._node_ports: set[tuple[int, str]] = set()  # as written to kpr_node_ports
         self._map_fill: dict[str, tuple[int, int]] | None = None  # as of the last full sync
@@ -655,7 +657,7 @@ class Agent:
         """Whether `kpr cleanup --force` removed this agent's programs and pins. It then
         syncs, repairs and records nothing more, until it exits: a full sync would attach
         and pin everything again."""
-        if not self._removed and runstate.is_removed(self.config.pin_dir, self.state.started):
+        if not self._removed and runstate.is_removed(self._removed_marker, self.state.started):
             self._removed = True
             log.warning(
                 "kpr cleanup removed this agent's programs and pins: it attaches, pins and "

@@ -78,11 +78,14 @@ def mark_removed(pin_dir: Path, state: RunState | None) -> None:
     _write_atomically(removed_path(pin_dir), {"started": state.started if state else None})
 
 
-def is_removed(pin_dir: Path, started: float) -> bool:
+def is_removed(marker_path: Path, started: float) -> bool:
     """Whether `kpr cleanup --force` removed the datapath of the agent started at `started`
-    (a marker for an earlier agent, one that has since restarted, does not count)."""
+    (its `removed_path`; a marker for an earlier agent, one that has since restarted, does
+    not count)."""
+    if not os.path.exists(marker_path):  # (the usual answer, without an exception)
+        return False
     try:
-        marker = json.loads(removed_path(pin_dir).read_text())
+        marker = json.loads(marker_path.read_text())
     except (FileNotFoundError, json.JSONDecodeError):
         return False
     return marker.get("started") in (None, started)

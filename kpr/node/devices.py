@@ -178,6 +178,7 @@ class DeviceWatch:
         # bound before the agent reads the devices: nothing between is missed
         self._socket = socket.socket(socket.AF_NETLINK, socket.SOCK_RAW, NETLINK_ROUTE)
         self._socket.bind((0, RTMGRP_LINK | RTMGRP_IPV4_IFADDR | RTMGRP_IPV6_IFADDR))
+        self._wake_r, self._wake_w = socket.socketpair()  # `close` ends the wait at once
         self._thread = threading.Thread(target=self._run, name="device-watch", daemon=True)
 
     def start(self) -> None:
@@ -185,9 +186,9 @@ class DeviceWatch:
 
     def _run(self) -> None:
         while not self._closed.is_set():
-            ready, _, _ = select.select([self._socket], [], [], 0.5)
-            if not ready:
-                continue
+            select.select([self._socket, self._wake_r], [], [])  # (no polling: asleep until one)
+            if self._closed.is_set():
+                return
             try:
                 self._socket.recv(65536)
             except OSError as err:  # ENOBUFS: events were lost; read the devices anyway
@@ -198,6 +199,8 @@ class DeviceWatch:
 
     def close(self) -> None:
         self._closed.set()
+        self._wake_w.send(b"x")
         if self._thread.is_alive():
             self._thread.join(timeout=2)
-        self._socket.close()
+        for end in (self._socket, self._wake_r, self._wake_w):
+            end.close()

@@ -317,7 +317,7 @@ class MetricsServer(BackgroundServer):
         self.configz = dict(configz or {})
         self.proxy_mode = proxy_mode
 
-    def _make_server(self) -> WSGIServer:
+    def _make_server(self) -> _ThreadingWSGIServer:
         app = _routes(
             prometheus_client.make_wsgi_app(self.metrics.registry), self.proxy_mode, self.configz
         )
