@@ -227,21 +227,17 @@ class PinnedMap:
             _check(ret, f"look up in {self.name}")
         return value
 
-    def dump(
-        self, chunk: int = 8192, limit: int | None = None
-    ) -> Iterator[tuple[bytes, bytes, int]]:
-        """Every entry (with `limit`, about the first `limit`: an array's indexes below
-        it), as (packed keys, packed values, count) chunks: one syscall per chunk instead
-        of two syscalls per entry."""
+    def dump(self, chunk: int = 8192) -> Iterator[tuple[bytes, bytes, int]]:
+        """Every entry, as (packed keys, packed values, count) chunks: one syscall per
+        chunk instead of two syscalls per entry."""
         key_size, value_size = self.info.key_size, self.info.value_size
         keys = ct.create_string_buffer(key_size * chunk)
         values = ct.create_string_buffer(value_size * chunk)
         token_in = ct.create_string_buffer(max(8, key_size))
         token_out = ct.create_string_buffer(max(8, key_size))
         first = True
-        read = 0
         while True:
-            count = ct.c_uint32(chunk if limit is None else max(1, min(chunk, limit - read)))
+            count = ct.c_uint32(chunk)
             ret = _libbpf.bpf_map_lookup_batch(
                 self.fd, None if first else token_in, token_out, keys, values, ct.byref(count), None
             )
@@ -255,9 +251,6 @@ class PinnedMap:
                     count.value,
                 )
             if code == errno.ENOENT:
-                return
-            read += count.value
-            if limit is not None and read >= limit:
                 return
             ct.memmove(token_in, token_out, len(token_out))
             first = False

@@ -5,10 +5,13 @@ from __future__ import annotations
 import random
 import struct
 
+import numpy as np
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
 from kpr.datapath.digest import combine, difference, digest
+from kpr.datapath.expected import _used_entries
 
 KEY, VALUE = struct.Struct("<II"), struct.Struct("<I")  # as a kpr_slots entry
 
@@ -69,3 +72,19 @@ def test_values_that_do_not_match_the_keys_are_an_error() -> None:
         assert "values" in str(err)
     else:
         raise AssertionError("no error")
+
+
+@pytest.mark.parametrize("value_size", [4, 8, 12, 16, 20, 64])
+def test_an_arrays_used_entries_are_those_with_any_byte_set(value_size):
+    """The mmapped array scan (kpr/datapath/expected.py) against a plain loop, for each
+    way it reads a stride: one word, a power-of-two number of words, any other."""
+    stride = -(-value_size // 8) * 8
+    rows = 300
+    memory = bytearray(rows * stride)
+    rng = random.Random(value_size)
+    for index in rng.sample(range(rows), 40):
+        memory[index * stride + rng.randrange(value_size)] = rng.randrange(1, 256)
+    want = [i for i in range(rows) if any(memory[i * stride : i * stride + value_size])]
+    keys, values, count = _used_entries(memory, stride, value_size)
+    assert list(np.frombuffer(keys, np.uint32)) == want and count == len(want)
+    assert values == b"".join(bytes(memory[i * stride : i * stride + value_size]) for i in want)
