@@ -18,7 +18,7 @@ IPNetwork = IPv4Network | IPv6Network
 PROTOCOLS = ("TCP", "UDP")
 
 
-@dataclass(frozen=True, order=True)
+@dataclass(frozen=True, order=True, slots=True)
 class ObjectRef:
     """Which object something is about, for error messages and status."""
 
@@ -66,7 +66,9 @@ class Service:
 
 @dataclass(frozen=True, slots=True)
 class Endpoint:
-    addresses: tuple[IPAddress, ...]
+    # addresses[0]: the one address kube-proxy uses (the API says consumers use only the
+    # first); one object per endpoint is held by the 100,000, so the others are not kept
+    address: IPAddress
     ready: bool = True
     serving: bool = True
     terminating: bool = False
@@ -91,7 +93,6 @@ class EndpointSlice:
     address_type: str  # IPv4 | IPv6 | FQDN
     ports: tuple[EndpointPort, ...] = ()
     endpoints: tuple[Endpoint, ...] = ()
-    labels: Mapping[str, str] = field(default_factory=dict)
     trigger_time: float | None = None  # endpoints.kubernetes.io/last-change-trigger-time
 
     @property

@@ -53,7 +53,7 @@ def flags_of(state: FrontendState) -> int:
     return flags | (abi.SVC_F_DROP if state.drop else 0)
 
 
-@dataclass
+@dataclass(slots=True)
 class ProgrammedService:
     """One frontend as the maps hold it."""
 

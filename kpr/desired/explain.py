@@ -136,7 +136,7 @@ def _slice_endpoints(
     }
     out = []
     for endpoint in endpoint_slice.endpoints:
-        address = endpoint.addresses[0]
+        address = endpoint.address
         backend = Backend(address, number) if number else None
         entry: dict[str, Any] = {
             "address": str(backend) if backend else str(address),

@@ -76,7 +76,7 @@ def _translate_service(
         translation.no_local_endpoints[(service.namespace, service.name)] = no_local
     if service.type in ("NodePort", "LoadBalancer") or service.external_ips:
         local = frozenset(
-            endpoint.addresses[0]
+            endpoint.address
             for endpoint_slice in slices
             for endpoint in endpoint_slice.endpoints
             if is_local(endpoint, node)
@@ -289,7 +289,7 @@ def merge_endpoints(port: ServicePort, slices: Iterable[EndpointSlice]) -> dict[
             if not number:  # unset or 0: no port to send to
                 continue
             for endpoint in endpoint_slice.endpoints:
-                backend = Backend(endpoint.addresses[0], number)
+                backend = Backend(endpoint.address, number)
                 known = merged.setdefault(backend, endpoint)
                 if known is not endpoint and known.terminating and not endpoint.terminating:
                     merged[backend] = endpoint

@@ -84,10 +84,6 @@ def _string(value: object, ref: ObjectRef | None, path: str, default: str = "") 
     return sys.intern(value)
 
 
-def _optional_string(value: object, ref: ObjectRef, path: str) -> str | None:
-    return None if value is None else _string(value, ref, path)
-
-
 def _choice(
     value: object, ref: ObjectRef, path: str, choices: tuple[str, ...], default: str | None
 ) -> str:
@@ -140,7 +136,10 @@ def _metadata(obj: dict[str, Any], kind: str) -> tuple[ObjectRef, dict[str, str]
     name = metadata.get("name")
     if not isinstance(name, str) or not name:
         raise ObjectError(None, "metadata.name", f"a {kind} must have a name")
-    namespace = _string(metadata.get("namespace"), None, "metadata.namespace") or "default"
+    # (one string object per namespace, not one per object)
+    namespace = sys.intern(
+        _string(metadata.get("namespace"), None, "metadata.namespace") or "default"
+    )
     ref = ObjectRef(kind, namespace, name)
     labels = _mapping(metadata.get("labels"), ref, "metadata.labels")
     return ref, {
@@ -333,7 +332,6 @@ def parse_endpoint_slice(obj: dict[str, Any]) -> EndpointSlice:
             _endpoint(endpoint, ref, f"endpoints[{i}]", 4 if address_type == "IPv4" else 6)
             for i, endpoint in enumerate(endpoints)
         ),
-        labels=labels,
         trigger_time=_trigger_time(obj, ref),
     )
 
@@ -371,18 +369,17 @@ def _endpoint(value: object, ref: ObjectRef, path: str, version: int) -> Endpoin
         raise ObjectError(ref, f"{path}.addresses", "an endpoint needs at least one address")
     conditions = _mapping(endpoint.get("conditions"), ref, f"{path}.conditions")
     hints = _mapping(endpoint.get("hints"), ref, f"{path}.hints")
+    for i, address in enumerate(addresses[1:], start=1):  # checked, not kept (`Endpoint`)
+        _ip(address, ref, f"{path}.addresses[{i}]", version)
     return Endpoint(
-        addresses=tuple(
-            _ip(address, ref, f"{path}.addresses[{i}]", version)
-            for i, address in enumerate(addresses)
-        ),
+        address=_ip(addresses[0], ref, f"{path}.addresses[0]", version),
         ready=_bool(conditions.get("ready"), ref, f"{path}.conditions.ready", True),
         serving=_bool(conditions.get("serving"), ref, f"{path}.conditions.serving", True),
         terminating=_bool(
             conditions.get("terminating"), ref, f"{path}.conditions.terminating", False
         ),
-        node_name=_optional_string(endpoint.get("nodeName"), ref, f"{path}.nodeName"),
-        zone=_optional_string(endpoint.get("zone"), ref, f"{path}.zone"),
+        node_name=_name(endpoint.get("nodeName"), ref, f"{path}.nodeName"),
+        zone=_name(endpoint.get("zone"), ref, f"{path}.zone"),
         hints_for_nodes=_hint_names(hints.get("forNodes"), ref, f"{path}.hints.forNodes"),
         hints_for_zones=_hint_names(hints.get("forZones"), ref, f"{path}.hints.forZones"),
     )
@@ -397,8 +394,13 @@ def _hint_names(value: object, ref: ObjectRef, path: str) -> tuple[str, ...] | N
         name = _mapping(hint, ref, f"{path}[{i}]").get("name")
         if not isinstance(name, str) or not name:
             raise ObjectError(ref, f"{path}[{i}].name", "must be a non-empty string")
-        names.append(name)
+        names.append(sys.intern(name))
     return tuple(names)
+
+
+def _name(value: object, ref: ObjectRef, path: str) -> str | None:
+    """A node's or a zone's name: one string object for all the endpoints that name it."""
+    return None if value is None else sys.intern(_string(value, ref, path))
 
 
 # --- dispatch ----------------------------------------------------------------------------

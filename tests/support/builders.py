@@ -28,7 +28,7 @@ def service(
 
 
 def endpoint(address: str, **fields: Any) -> Endpoint:
-    return Endpoint(addresses=(ip_address(address),), **fields)
+    return Endpoint(address=ip_address(address), **fields)
 
 
 def endpoint_slice(

@@ -249,11 +249,6 @@ def test_slice_port_with_no_number_or_zero_is_ignored() -> None:
         assert backends_of([service()], slices) == []
 
 
-def test_only_the_first_address_of_an_endpoint_is_used() -> None:
-    two_addresses = Endpoint(addresses=(ip_address("10.244.1.11"), ip_address("10.244.1.99")))
-    assert backends_of([service()], [endpoint_slice(two_addresses)]) == ["10.244.1.11:8080"]
-
-
 def test_one_endpoint_on_two_slice_port_numbers_is_two_backends() -> None:
     slices = [
         endpoint_slice(endpoint("10.244.1.11"), name="web-1"),
@@ -494,7 +489,7 @@ def endpoint_slices(draw: st.DrawFn) -> EndpointSlice:
         st.lists(
             st.builds(
                 Endpoint,
-                addresses=st.lists(addresses, min_size=1, max_size=2).map(tuple),
+                address=addresses,
                 ready=st.booleans(),
                 serving=st.booleans(),
                 terminating=st.booleans(),

@@ -211,9 +211,7 @@ def test_spec_of_the_wrong_type_is_an_error() -> None:
 def test_endpoint_conditions_default_ready_serving_not_terminating() -> None:
     endpoint_slice = parse_endpoint_slice(slice_dict())
     assert endpoint_slice.endpoints == (
-        Endpoint(
-            addresses=(ip_address("10.244.0.5"),), ready=True, serving=True, terminating=False
-        ),
+        Endpoint(address=ip_address("10.244.0.5"), ready=True, serving=True, terminating=False),
     )
 
 
@@ -240,7 +238,7 @@ def test_slice_reads_owner_ports_conditions_node_zone_and_hints() -> None:
     )
     assert endpoint_slice.endpoints == (
         Endpoint(
-            addresses=(ip_address("10.244.0.5"), ip_address("10.244.0.6")),
+            address=ip_address("10.244.0.5"),  # the first: the one kube-proxy uses
             ready=False,
             serving=True,
             terminating=True,
@@ -276,7 +274,7 @@ def test_null_endpoints_and_ports_are_empty() -> None:
 def test_ipv6_slice_reads_ipv6_addresses() -> None:
     obj = slice_dict(endpoints=[{"addresses": ["fd00:244::5"]}], address_type="IPv6")
     (endpoint,) = parse_endpoint_slice(obj).endpoints
-    assert endpoint.addresses == (ip_address("fd00:244::5"),)
+    assert endpoint.address == ip_address("fd00:244::5")
 
 
 def test_fqdn_slice_is_read_without_its_host_names() -> None:
