@@ -499,6 +499,9 @@ def api_operations_in_code() -> set[str]:
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.Attribute) and node.attr in operations:
                 found.add(node.attr)
+            # (the agent's source names its operations and builds them on the ApiClient)
+            if isinstance(node, ast.Constant) and node.value in operations:
+                found.add(node.value)
     return found
 
 
