@@ -14,7 +14,7 @@ import os
 import subprocess
 import tempfile
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TextIO
@@ -131,19 +131,22 @@ def _write_atomically(path: Path, content: object) -> None:
         json.dump(content, out, separators=(",", ":"))
 
 
-def _write_desired(path: Path, frontends: Iterable[tuple[Frontend, FrontendState]]) -> None:
-    """The desired state as one JSON object, a frontend a line, each serialized on its own:
+DESIRED_CHUNK = 1000  # frontends serialized at once: a bounded heap, the C encoder's speed
+
+
+def _write_desired(path: Path, frontends: list[tuple[Frontend, FrontendState]]) -> None:
+    """The desired state as one JSON object, serialized DESIRED_CHUNK frontends at a time:
     never the whole of it as objects at once (under churn at 10,000 Services, building it
     whole at each save, a million short-lived strings beside the agent's long-lived ones,
-    grew the heap by 8 MB an hour)."""
+    grew the heap by 8 MB an hour), and not a frontend at a time either (twice as slow)."""
     with _replacing(path) as out:
         out.write("{")
-        separator = "\n"
-        for frontend, state in frontends:
-            out.write(f"{separator}{json.dumps(str(frontend))}:")
-            out.write(json.dumps(_state(state), separators=(",", ":")))
-            separator = ",\n"
-        out.write("\n}\n")
+        separator = ""
+        for start in range(0, len(frontends), DESIRED_CHUNK):
+            chunk = {str(f): _state(s) for f, s in frontends[start : start + DESIRED_CHUNK]}
+            out.write(separator + json.dumps(chunk, separators=(",", ":"))[1:-1])
+            separator = ","
+        out.write("}")
 
 
 @dataclass

@@ -1,4 +1,4 @@
-"""The run state files `kpr status` reads: the desired state, written a frontend at a time."""
+"""The run state files `kpr status` reads: the desired state, written in chunks."""
 
 from __future__ import annotations
 
@@ -11,10 +11,11 @@ from kpr.agent import runstate
 from kpr.model import Backend, Frontend, FrontendState, Translation
 
 
-def test_the_desired_state_written_a_frontend_at_a_time_reads_back_whole(
+def test_the_desired_state_written_in_chunks_reads_back_whole(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(runstate, "RUN_DIR", tmp_path / "run")
+    monkeypatch.setattr(runstate, "DESIRED_CHUNK", 1)  # each frontend a chunk of its own
     pin_dir = tmp_path / "pins"
     web = FrontendState(
         "shop/web:http",
