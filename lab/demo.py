@@ -91,13 +91,14 @@ def main(pods: int = 3, connections: int = 300) -> int:
             subprocess.run([*KPR, "status", "--bpffs", str(pin_dir)], check=False)
             _say()
             backends4 = pin_dir / abi.MAPS["kpr_backends4"].pin
-            _say(f"$ bpftool map dump pinned {backends4}   (first entries)")
+            # (an array by backend id: index 0 is never used, ids start at 1)
+            _say(f"$ bpftool map lookup pinned {backends4} key 1 0 0 0   (backend id 1)")
             dump = subprocess.run(
-                ["bpftool", "map", "dump", "pinned", str(backends4)],
+                ["bpftool", "map", "lookup", "pinned", str(backends4), "key", "1", "0", "0", "0"],
                 capture_output=True,
                 text=True,
             )
-            _say("\n".join(dump.stdout.splitlines()[:8]) or dump.stderr.strip())
+            _say(dump.stdout.strip() or dump.stderr.strip())
         finally:
             agent.terminate()
             agent.wait(timeout=10)
