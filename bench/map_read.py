@@ -22,13 +22,12 @@ from functools import partial
 
 import numpy as np
 
-from kpr.datapath import bpfsys
+from kpr.datapath import abi, bpfsys
 from kpr.datapath.digest import digest
 from kpr.datapath.expected import array_entries
 from kpr.node import host
 
-BPF_MAP_TYPE_HASH, BPF_MAP_TYPE_ARRAY = 1, 2
-BPF_F_NO_PREALLOC, BPF_F_MMAPABLE = 1, 1 << 10
+BPF_F_NO_PREALLOC = 1
 
 
 class _CreateOpts(ct.Structure):  # libbpf's struct bpf_map_create_opts, as far as used
@@ -95,11 +94,11 @@ def main() -> int:
     n = args.entries
     rows: list[tuple[str, float]] = []
     for name, map_type, flags in (
-        ("hash, not preallocated", BPF_MAP_TYPE_HASH, BPF_F_NO_PREALLOC),
-        ("hash, preallocated", BPF_MAP_TYPE_HASH, 0),
-        ("array", BPF_MAP_TYPE_ARRAY, BPF_F_MMAPABLE),
+        ("hash, not preallocated", abi.BPF_MAP_TYPE_HASH, BPF_F_NO_PREALLOC),
+        ("hash, preallocated", abi.BPF_MAP_TYPE_HASH, 0),
+        ("array", abi.BPF_MAP_TYPE_ARRAY, bpfsys.BPF_F_MMAPABLE),
     ):
-        array = map_type == BPF_MAP_TYPE_ARRAY
+        array = map_type == abi.BPF_MAP_TYPE_ARRAY
         pinned = create(map_type, n, flags)
         try:
             fill(pinned, n, first_key=0 if array else 1)
@@ -110,7 +109,7 @@ def main() -> int:
                 rows.append((f"{name}: mmap scan", best(partial(mmap_read, pinned), args.repeats)))
         finally:
             pinned.close()
-    empty = create(BPF_MAP_TYPE_HASH, n, BPF_F_NO_PREALLOC)
+    empty = create(abi.BPF_MAP_TYPE_HASH, n, BPF_F_NO_PREALLOC)
     try:
         rows.append(
             ("empty hash: batch reads", best(partial(batch_read, empty, False), args.repeats))
