@@ -23,7 +23,7 @@ from kpr.datapath.maps import Maps, execute
 from kpr.datapath.plan import ProgrammedState, apply_plan, plan
 from kpr.desired.drift import drift as find_drift
 from kpr.desired.drift import entries
-from kpr.model import Frontend, ServiceName, Translation, by_key
+from kpr.model import Backend, Frontend, ServiceName, Translation, by_key
 
 log = logging.getLogger("kpr")
 
@@ -134,15 +134,17 @@ class Programmer:
         was written (reading the kernel maps would walk every key)."""
         programmed = self.programmed
         used: dict[str, int] = {}
-        # (isinstance, not .version: a property call each, for 100,000s of backends)
-        for name, targets in (
+        # (isinstance, not .version: a property call each, for 100,000s of frontends)
+        for name, frontends in (
             ("services", programmed.services.keys()),
-            ("backends", programmed.backends.values()),
             ("revnat", programmed.revnat.values()),
         ):
-            v6 = sum(isinstance(t.address, IPv6Address) for t in targets)
-            used[f"{name}4"] = len(targets) - v6
+            v6 = sum(isinstance(f.address, IPv6Address) for f in frontends)
+            used[f"{name}4"] = len(frontends) - v6
             used[f"{name}6"] = v6
+        v6 = Backend.count_v6(programmed.backends.values())
+        used["backends4"] = len(programmed.backends) - v6
+        used["backends6"] = v6
         used["slots"] = programmed.slot_count + len(programmed.stray_slots)
         # (each map's MapSizes field: its name without the family)
         return {

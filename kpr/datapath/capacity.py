@@ -78,7 +78,7 @@ class Fit:
         )
 
 
-def _family(frontend: Frontend | Backend) -> str:
+def _family(frontend: Frontend) -> str:
     return "6" if frontend.address.version == 6 else "4"
 
 
@@ -100,8 +100,9 @@ def used(programmed: ProgrammedState, exact: bool = True) -> dict[str, int]:
     if exact:
         for frontend in programmed.services:
             out["services" + _family(frontend)] += 1
-        for backend in programmed.backends.values():
-            out["backends" + _family(backend)] += 1
+        v6 = Backend.count_v6(programmed.backends.values())
+        out["backends4"] += len(programmed.backends) - v6
+        out["backends6"] += v6
         for frontend in programmed.revnat.values():
             out["revnat" + _family(frontend)] += 1
     else:
@@ -222,7 +223,7 @@ def _total(
             out["source_ranges"] += len(set(state.source_ranges) - old)
     backends = set().union(*(desired[f].backends for f in frontends))
     backends.difference_update(programmed.backend_index)
-    b6 = sum(isinstance(b.address, IPv6Address) for b in backends)
+    b6 = Backend.count_v6(backends)
     out["backends4"] += len(backends) - b6
     out["backends6"] += b6
     out["backend_ids"] += max(0, len(backends) - len(programmed.free_backend_ids))

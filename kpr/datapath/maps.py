@@ -33,7 +33,7 @@ from kpr.datapath.plan import (
     SourceRange,
     in_block,
 )
-from kpr.model import Backend, Frontend, IPAddress, by_key
+from kpr.model import V6, Backend, Frontend, IPAddress, by_key
 
 log = logging.getLogger(__name__)
 
@@ -477,18 +477,13 @@ def _pack_addresses(
     base: str, entries: dict[int, Backend] | dict[int, Frontend]
 ) -> dict[str, _Packed]:
     out: dict[str, _Packed] = defaultdict(_Packed)
-    # by the address's class, and int(): .version and .packed cost a Python call more each
-    layouts = {
-        IPv4Address: (f"kpr_{base}4", 4, abi.BACKEND4.pack),
-        IPv6Address: (f"kpr_{base}6", 16, abi.BACKEND6.pack),
-    }
+    layouts = {4: (f"kpr_{base}4", abi.BACKEND4.pack), 6: (f"kpr_{base}6", abi.BACKEND6.pack)}
     pack_id = abi.ID.pack
     for key, target in entries.items():
-        address = target.address
-        name, size, pack = layouts[type(address)]
+        name, pack = layouts[target.family]
         batch = out[name]
         batch.keys += pack_id(key)
-        batch.values += pack(int(address).to_bytes(size, "big"), target.port)
+        batch.values += pack(target.packed_address, target.port)
         batch.labels.append(key)
     return out
 
@@ -586,6 +581,7 @@ class BpfMaps:
         for version in (4, 6):
             key_layout = abi.FRONTEND4_KEY if version == 4 else abi.FRONTEND6_KEY
             address_layout = abi.BACKEND4 if version == 4 else abi.BACKEND6
+            family = V6 if version == 6 else 0  # (an address_value's family bit)
             for keys, values, _ in self.expected.read(f"kpr_services{version}", seen):
                 for (address, port, protocol, scope), value in zip(
                     key_layout.iter_unpack(keys), abi.SERVICE_VALUE.iter_unpack(values), strict=True
@@ -597,7 +593,7 @@ class BpfMaps:
                 for (bid,), (address, port) in zip(
                     abi.ID.iter_unpack(keys), address_layout.iter_unpack(values), strict=True
                 ):
-                    backends[bid] = Backend(ip_address(address), port)
+                    backends[bid] = Backend.at(int.from_bytes(address, "big") | family, port)
             for keys, values, _ in self.expected.read(f"kpr_revnat{version}", seen):
                 for (sid,), (address, port) in zip(
                     abi.ID.iter_unpack(keys), address_layout.iter_unpack(values), strict=True

@@ -165,8 +165,7 @@ def report_sources(cgroup: Path, netns_dirs: Sequence[Path]) -> None:
 
 
 def _destination(backend: Backend) -> str:
-    host = f"[{backend.address}]" if backend.address.version == 6 else str(backend.address)
-    return f"dst {host}:{backend.port}"
+    return f"dst {backend}"  # ([address]:port for IPv6, as ss takes it)
 
 
 def terminate_udp(

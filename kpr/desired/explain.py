@@ -127,7 +127,8 @@ def _slice_endpoints(
     elif not any(p.port for p in matching):
         slice_reason = "invalid field: the slice's port has no number (unset or 0)"
     family_slices = [s for s in slices if FAMILIES.get(s.address_type) == version]
-    merged = merge_endpoints(port, family_slices) if slice_reason is None else {}
+    origins: dict[Backend, tuple[str, int]] = {}
+    merged = merge_endpoints(port, family_slices, origins) if slice_reason is None else {}
     number = next((p.port for p in matching if p.port), None)
     chosen = {
         policy: categorize_endpoints(merged, policy, node)
@@ -135,11 +136,10 @@ def _slice_endpoints(
         if v == version
     }
     out = []
-    for endpoint in endpoint_slice.endpoints:
-        address = endpoint.address
-        backend = Backend(address, number) if number else None
+    for index, endpoint in enumerate(endpoint_slice.endpoints):
+        backend = Backend.at(endpoint.ip, number) if number else None
         entry: dict[str, Any] = {
-            "address": str(backend) if backend else str(address),
+            "address": str(backend) if backend else str(endpoint.address),
             "slice": endpoint_slice.name,
             "ready": endpoint.ready,
             "serving": endpoint.serving,
@@ -150,7 +150,7 @@ def _slice_endpoints(
         }
         if slice_reason is not None:
             entry["no_traffic"] = slice_reason
-        elif merged.get(backend) is not endpoint:  # type: ignore[arg-type]
+        elif origins.get(backend) != (endpoint_slice.name, index):  # type: ignore[arg-type]
             entry["no_traffic"] = "the same address and port in another slice is used instead"
         else:
             for policy, backends in chosen.items():

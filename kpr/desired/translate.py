@@ -274,8 +274,13 @@ def orphan_slices(slices: Iterable[EndpointSlice]) -> list[Problem]:
     ]
 
 
-def merge_endpoints(port: ServicePort, slices: Iterable[EndpointSlice]) -> dict[Backend, Endpoint]:
-    """The endpoints of one Service port across its slices, keyed by ip:port.
+def merge_endpoints(
+    port: ServicePort,
+    slices: Iterable[EndpointSlice],
+    origins: dict[Backend, tuple[str, int]] | None = None,
+) -> dict[Backend, Endpoint]:
+    """The endpoints of one Service port across its slices, keyed by ip:port; in
+    `origins`, if given, where each comes from (slice name, index in its endpoints).
 
     A slice port serves the Service port of the same name and protocol. When
     one ip:port is in two slices the non-terminating one wins, else the first.
@@ -288,11 +293,13 @@ def merge_endpoints(port: ServicePort, slices: Iterable[EndpointSlice]) -> dict[
             number = slice_port.port
             if not number:  # unset or 0: no port to send to
                 continue
-            for endpoint in endpoint_slice.endpoints:
-                backend = Backend(endpoint.address, number)
-                known = merged.setdefault(backend, endpoint)
-                if known is not endpoint and known.terminating and not endpoint.terminating:
+            for index, endpoint in enumerate(endpoint_slice.endpoints):
+                backend = Backend.at(endpoint.ip, number)
+                known = merged.get(backend)
+                if known is None or (known.terminating and not endpoint.terminating):
                     merged[backend] = endpoint
+                    if origins is not None:
+                        origins[backend] = (endpoint_slice.name, index)
     return merged
 
 

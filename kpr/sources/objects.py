@@ -16,12 +16,14 @@ from typing import Any
 from kpr.model import (
     Endpoint,
     EndpointPort,
+    Endpoints,
     EndpointSlice,
     IPAddress,
     IPNetwork,
     ObjectRef,
     Service,
     ServicePort,
+    address_value,
 )
 
 SERVICE_NAME_LABEL = "kubernetes.io/service-name"
@@ -326,9 +328,9 @@ def parse_endpoint_slice(obj: dict[str, Any]) -> EndpointSlice:
         address_type=address_type,
         ports=ports,
         # FQDN addresses are host names, not IPs, and kube-proxy ignores those slices.
-        endpoints=()
+        endpoints=Endpoints()
         if address_type == "FQDN"
-        else tuple(
+        else Endpoints(
             _endpoint(endpoint, ref, f"endpoints[{i}]", 4 if address_type == "IPv4" else 6)
             for i, endpoint in enumerate(endpoints)
         ),
@@ -372,7 +374,7 @@ def _endpoint(value: object, ref: ObjectRef, path: str, version: int) -> Endpoin
     for i, address in enumerate(addresses[1:], start=1):  # checked, not kept (`Endpoint`)
         _ip(address, ref, f"{path}.addresses[{i}]", version)
     return Endpoint(
-        address=_ip(addresses[0], ref, f"{path}.addresses[0]", version),
+        ip=address_value(_ip(addresses[0], ref, f"{path}.addresses[0]", version)),
         ready=_bool(conditions.get("ready"), ref, f"{path}.conditions.ready", True),
         serving=_bool(conditions.get("serving"), ref, f"{path}.conditions.serving", True),
         terminating=_bool(

@@ -6,7 +6,15 @@ from __future__ import annotations
 from ipaddress import ip_address
 from typing import Any
 
-from kpr.model import Endpoint, EndpointPort, EndpointSlice, NodeContext, Service, ServicePort
+from kpr.model import (
+    Endpoint,
+    EndpointPort,
+    EndpointSlice,
+    NodeContext,
+    Service,
+    ServicePort,
+    address_value,
+)
 
 HTTP = ServicePort(name="http", protocol="TCP", port=80)
 
@@ -28,7 +36,7 @@ def service(
 
 
 def endpoint(address: str, **fields: Any) -> Endpoint:
-    return Endpoint(address=ip_address(address), **fields)
+    return Endpoint(ip=address_value(ip_address(address)), **fields)
 
 
 def endpoint_slice(

@@ -24,6 +24,7 @@ from kpr.model import (
     ObjectRef,
     Service,
     ServicePort,
+    address_value,
 )
 from kpr.sources.manifests import ManifestSource
 from tests.support.builders import (
@@ -489,7 +490,7 @@ def endpoint_slices(draw: st.DrawFn) -> EndpointSlice:
         st.lists(
             st.builds(
                 Endpoint,
-                address=addresses,
+                ip=addresses.map(address_value),
                 ready=st.booleans(),
                 serving=st.booleans(),
                 terminating=st.booleans(),

@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from kpr.model import Endpoint, EndpointPort, ObjectRef, ServicePort
+from kpr.model import Endpoint, EndpointPort, ObjectRef, ServicePort, address_value
 from kpr.sources.objects import (
     ObjectError,
     parse_endpoint_slice,
@@ -211,7 +211,9 @@ def test_spec_of_the_wrong_type_is_an_error() -> None:
 def test_endpoint_conditions_default_ready_serving_not_terminating() -> None:
     endpoint_slice = parse_endpoint_slice(slice_dict())
     assert endpoint_slice.endpoints == (
-        Endpoint(address=ip_address("10.244.0.5"), ready=True, serving=True, terminating=False),
+        Endpoint(
+            ip=address_value(ip_address("10.244.0.5")), ready=True, serving=True, terminating=False
+        ),
     )
 
 
@@ -238,7 +240,7 @@ def test_slice_reads_owner_ports_conditions_node_zone_and_hints() -> None:
     )
     assert endpoint_slice.endpoints == (
         Endpoint(
-            address=ip_address("10.244.0.5"),  # the first: the one kube-proxy uses
+            ip=address_value(ip_address("10.244.0.5")),  # the first: the one kube-proxy uses
             ready=False,
             serving=True,
             terminating=True,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from ipaddress import ip_address
 
-from kpr.model import Endpoint, EndpointSlice, ObjectRef, Service
+from kpr.model import Endpoint, EndpointSlice, ObjectRef, Service, address_value
 from kpr.sources.tracker import Changes, ChangeTracker
 
 
@@ -13,7 +13,7 @@ def svc(name: str, namespace: str = "default") -> Service:
 
 
 def eps(name: str, service: str | None, namespace: str = "default", n: int = 1) -> EndpointSlice:
-    endpoints = tuple(Endpoint(ip_address(f"10.0.0.{i + 1}")) for i in range(n))
+    endpoints = tuple(Endpoint(address_value(ip_address(f"10.0.0.{i + 1}"))) for i in range(n))
     return EndpointSlice(namespace, name, service, "IPv4", endpoints=endpoints)
 
 
