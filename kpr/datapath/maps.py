@@ -25,6 +25,7 @@ from kpr.datapath import abi, bpfsys, flows
 from kpr.datapath.expected import Expected, array_entries
 from kpr.datapath.plan import (
     UNBOUNDED,
+    BackendTable,
     Master,
     Plan,
     ProgrammedService,
@@ -101,7 +102,7 @@ def decode(
     """Map contents → ProgrammedState: each frontend's slots from where its count keeps
     them (`in_block`), as the programs read them. kpr_slots entries no master reads are
     strays."""
-    state = ProgrammedState(backends=dict(backends), revnat=dict(revnat))
+    state = ProgrammedState(backends=BackendTable(backends), revnat=dict(revnat))
     state.block_capacity = block_capacity
     for sid, network in ranges:
         state.source_ranges[sid] = state.source_ranges.get(sid, frozenset()) | {network}

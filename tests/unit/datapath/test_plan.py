@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from kpr.datapath import abi
 from kpr.datapath.maps import MemoryMaps, WriteResult, consistent, execute
-from kpr.datapath.plan import apply_plan, assign_slots, plan
+from kpr.datapath.plan import BackendTable, RefCounts, apply_plan, assign_slots, plan
 from kpr.model import Backend, Frontend, FrontendState, Translation
 
 
@@ -390,3 +390,26 @@ def test_a_deleted_frontends_service_id_goes_to_a_later_plans_new_frontend():
     assert maps.read().services[fe(4)].service_id == freed
     assert served(maps)[fe(4)] == {be(5), be(6)}
     assert_blocks_match_slots(maps)
+
+
+def test_backend_table_is_a_mapping_by_id() -> None:
+    table = BackendTable({3: be(3), 1: be(1)})
+    assert len(table) == 2 and list(table) == [1, 3] and table.items() == [(1, be(1)), (3, be(3))]
+    assert 1 in table and 2 not in table and 0 not in table and 9 not in table and -1 not in table
+    assert table.get(2) is None and table.get(3) == be(3) and table[1] == be(1)
+    with pytest.raises(KeyError):
+        table[2]
+    table[1] = be(5)  # replaced: not counted twice
+    assert len(table) == 2 and table.pop(1) == be(5) and table.pop(1, None) is None
+    assert table.values() == [be(3)] and table == {3: be(3)} and max(table) == 3
+    with pytest.raises(KeyError):
+        del table[7]
+
+
+def test_ref_counts_count_each_id_and_forget() -> None:
+    refs = RefCounts([1, 4, 4])
+    refs.add([4, 9])
+    refs.remove([1, 4])
+    assert [refs[i] for i in (0, 1, 4, 9, 100)] == [0, 0, 2, 1, 0]
+    refs.forget(4)
+    assert refs[4] == 0
