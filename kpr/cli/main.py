@@ -240,7 +240,8 @@ def run(
 
             feed = ManifestSource(source)
         else:
-            from kpr.sources.kubernetes import KubernetesSource, api_client
+            from kpr.sources.connection import connect
+            from kpr.sources.kubernetes import KubernetesSource
 
             def report(what: str, resource: str) -> None:
                 counter = (
@@ -252,7 +253,7 @@ def run(
                 "--kubeconfig" if kubeconfig else f"clientConnection.kubeconfig in {config_file}"
             )
             feed = KubernetesSource(
-                api_client(kubeconfig or proxy.kubeconfig, master, origin),
+                connect(kubeconfig or proxy.kubeconfig, master, origin),
                 node,
                 proxy_name,
                 on_invalid=lambda kind: metrics.invalid_objects_total.labels(kind=kind).inc(),

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import Any
 
 from kpr.agent import runstate
 from kpr.datapath import abi, loader, tc
@@ -236,26 +235,20 @@ def service_objects(
         return (services[0] if services else None), slices, problems
     import json
 
-    from kubernetes import client
-
-    from kpr.sources.kubernetes import api_client
+    from kpr.sources.connection import connect
+    from kpr.sources.kubernetes import LIST_ENDPOINT_SLICES, LIST_SERVICES, lister
     from kpr.sources.objects import SERVICE_NAME_LABEL
 
     host_in_state = source.removeprefix("kubernetes:") if source.startswith("kubernetes:") else None
-    api = api_client(kubeconfig, master or (None if kubeconfig else host_in_state))
-    core, discovery = client.CoreV1Api(api), client.DiscoveryV1Api(api)
-    # list with selectors: the verbs kpr's ClusterRole grants (no get); with
-    # _preload_content=False the client returns urllib3's response, whatever its annotations
-    # say, and .data is the body
-    found: Any = core.list_service_for_all_namespaces(
+    api = connect(kubeconfig, master or (None if kubeconfig else host_in_state))
+    # list with selectors: the verbs kpr's ClusterRole grants (no get)
+    found = lister(api, LIST_SERVICES)(
         field_selector=f"metadata.namespace={namespace},metadata.name={name}",
-        _preload_content=False,
         _request_timeout=30,
     )
-    listed: Any = discovery.list_endpoint_slice_for_all_namespaces(
+    listed = lister(api, LIST_ENDPOINT_SLICES)(
         label_selector=f"{SERVICE_NAME_LABEL}={name}",
         field_selector=f"metadata.namespace={namespace}",
-        _preload_content=False,
         _request_timeout=30,
     )
     problems = []

@@ -9,9 +9,8 @@ list → watch loop of client-go's reflector, on the official client:
 Objects are kept as validated model objects in a change tracker
 (kpr/sources/tracker.py), so the agent re-translates only the Services that changed.
 
-Requests go through the client's ApiClient (its configuration, credentials and connection
-pool) as the generated list_* operations build them, not through CoreV1Api: that class
-loads hundreds of modules of validated methods the agent never calls.
+Requests go through kpr's own connection (kpr/sources/connection.py: credentials and a
+urllib3 pool), as the official client's generated list_* operations would make them.
 """
 
 from __future__ import annotations
@@ -19,7 +18,6 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import os
 import random
 import threading
 import time
@@ -27,10 +25,6 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from ipaddress import ip_address
 from typing import Any
-
-from kubernetes import client
-from kubernetes.client.rest import ApiException
-from kubernetes.watch.watch import iter_resp_lines
 
 from kpr.gcpause import paused_gc
 from kpr.model import (
@@ -41,6 +35,7 @@ from kpr.model import (
     Service,
     Snapshot,
 )
+from kpr.sources.connection import ApiConnection, ApiError, Timeout, lines
 from kpr.sources.objects import ObjectError, node_is_deleting, parse_endpoint_slice, parse_service
 from kpr.sources.tracker import ChangeTracker
 
@@ -72,28 +67,24 @@ _QUERY = {
 }
 
 
-def lister(api: client.ApiClient, operation: tuple[str, str]) -> Callable[..., Any]:
-    """A list_* operation of the client, called as the generated one is with
-    `_preload_content=False`: urllib3's response, or ApiException for a status not 2xx."""
+def lister(api: ApiConnection, operation: tuple[str, str]) -> Callable[..., Any]:
+    """A list_* operation of the official client, with its keyword arguments, as it is
+    called with `_preload_content=False`: urllib3's response, or ApiError for a status not
+    2xx."""
     name, path = operation
 
-    def call(_request_timeout: Any = None, **params: Any) -> Any:
-        query = [(_QUERY[key], value) for key, value in params.items() if value is not None]
-        request = api.param_serialize(
-            method="GET",
-            resource_path=path,
-            query_params=query,
-            header_params={"Accept": "application/json"},
-            auth_settings=["BearerToken"],
-        )
-        response = api.call_api(*request, _request_timeout=_request_timeout)
-        if not 200 <= response.status <= 299:
-            response.read()
-            raise ApiException.from_response(http_resp=response, body=None, data=None)
-        return response.response
+    def call(_request_timeout: Timeout = None, **params: Any) -> Any:
+        query = [
+            (_QUERY[key], _query_value(value)) for key, value in params.items() if value is not None
+        ]
+        return api.get(path, query, _request_timeout)
 
     call.__name__ = name
     return call
+
+
+def _query_value(value: object) -> str:
+    return ("true" if value else "false") if isinstance(value, bool) else str(value)
 
 
 def label_selectors(proxy_name: str) -> list[str]:
@@ -177,7 +168,7 @@ class Watcher(threading.Thread):
                     version = self._list()
                 version = self._watch_from(version)
                 self.backoff.reset()
-            except ApiException as err:
+            except ApiError as err:
                 self.stats.connected = False
                 if err.status == 410:
                     log.info(
@@ -243,8 +234,7 @@ class Watcher(threading.Thread):
 
     def _watch_from(self, version: str) -> str:
         """Watch until the server ends the stream; the last version seen. The
-        response is read line by line here: the client's Watch wrapper cannot
-        report a 410 without deserializing every object into a model."""
+        response is read line by line, an event a line."""
         # the server ends the watch after timeout_seconds (jittered, as client-go
         # does); a read that stays silent past that means a dead connection
         timeout = int(self.watch_timeout * random.uniform(1.0, 1.2))
@@ -260,7 +250,7 @@ class Watcher(threading.Thread):
         self._streaming_since = time.monotonic()
         self.stats.connected = True
         try:
-            for line in iter_resp_lines(response):
+            for line in lines(response):
                 if self.stop_event.is_set():
                     break
                 if not line.strip():
@@ -268,7 +258,7 @@ class Watcher(threading.Thread):
                 event = json.loads(line)
                 kind, obj = event["type"], event["object"]
                 if kind == "ERROR":
-                    raise ApiException(status=obj.get("code", 500), reason=obj.get("message", ""))
+                    raise ApiError(obj.get("code", 500), obj.get("message", ""))
                 version = (obj.get("metadata") or {}).get("resourceVersion", version)
                 self.stats.last_event = time.time()
                 if kind != "BOOKMARK":
@@ -302,7 +292,7 @@ class KubernetesSource:
 
     def __init__(
         self,
-        api: client.ApiClient,
+        api: ApiConnection,
         node_name: str,
         proxy_name: str = "kpr",
         watch_timeout: float = 300.0,
@@ -312,7 +302,7 @@ class KubernetesSource:
     ) -> None:
         self.api = api
         self.node_name = node_name
-        self.description = f"kubernetes:{api.configuration.host}"
+        self.description = f"kubernetes:{api.host}"
         self._lock = threading.Lock()
         self._changes = threading.Event()
         self._stop = threading.Event()
@@ -539,142 +529,3 @@ def _ref(resource: str, obj: dict) -> ObjectRef:
     )
     metadata = obj.get("metadata") or {}
     return ObjectRef(kind, metadata.get("namespace") or "default", metadata.get("name") or "?")
-
-
-TOKEN_REREAD = 60.0  # seconds; client-go re-reads a kubeconfig's tokenFile this often
-
-
-class KubeconfigError(ValueError):
-    """A kubeconfig kpr cannot use: one paragraph naming the file and what is wrong."""
-
-
-def _kubeconfig_error(path: str, origin: str, problem: str) -> KubeconfigError:
-    return KubeconfigError(
-        f"{path} ({origin}): {problem}. kpr needs a kubeconfig it can read, whose current "
-        "context names a cluster with a server and a user with credentials; in a pod, mount "
-        "it (kube-proxy's ConfigMap puts kubeconfig.conf under /var/lib/kube-proxy) and the "
-        "ServiceAccount token it names."
-    )
-
-
-def _check_kubeconfig(path: str, origin: str) -> dict:
-    """The kubeconfig document, after checking what the client would fail on later with a
-    traceback: the file, its YAML, the current context, and the files it names."""
-    import yaml
-
-    try:
-        with open(path) as f:
-            doc = yaml.safe_load(f)
-    except OSError as err:
-        raise _kubeconfig_error(path, origin, err.strerror or str(err)) from None
-    except yaml.YAMLError as err:
-        detail = " ".join(str(err).split())  # one paragraph: YAML errors span lines
-        raise _kubeconfig_error(path, origin, f"not valid YAML ({detail})") from None
-    if not isinstance(doc, dict) or doc.get("kind", "Config") != "Config":
-        raise _kubeconfig_error(path, origin, "not a kubeconfig (kind: Config)")
-    current = doc.get("current-context")
-
-    def named(section: str, name: object) -> dict:
-        for entry in doc.get(section) or []:
-            if isinstance(entry, dict) and entry.get("name") == name:
-                return entry
-        raise _kubeconfig_error(path, origin, f"{section} has no entry named {name!r}")
-
-    if not current:
-        raise _kubeconfig_error(path, origin, "no current-context")
-    context = named("contexts", current).get("context") or {}
-    cluster = named("clusters", context.get("cluster")).get("cluster") or {}
-    user = named("users", context.get("user")).get("user") or {} if context.get("user") else {}
-    if not cluster.get("server"):
-        raise _kubeconfig_error(path, origin, f"cluster {context.get('cluster')!r} has no server")
-    base = os.path.dirname(os.path.abspath(path))
-    for where, section, key in (
-        ("cluster", cluster, "certificate-authority"),
-        ("user", user, "tokenFile"),
-        ("user", user, "client-certificate"),
-        ("user", user, "client-key"),
-    ):
-        if section.get(key) and not section.get(f"{key}-data"):
-            named_file = os.path.join(base, section[key])
-            if not os.access(named_file, os.R_OK):
-                raise _kubeconfig_error(
-                    path, origin, f"the {where}'s {key} {named_file} cannot be read"
-                )
-    return doc
-
-
-def _reread_token(token_file: str) -> Callable[[client.Configuration], None]:
-    """A refresh hook: bound ServiceAccount tokens are rotated in their file by the
-    kubelet; read it again, as client-go does, at most once a minute."""
-    read_at = time.monotonic()
-
-    def refresh(configuration: client.Configuration) -> None:
-        nonlocal read_at
-        if time.monotonic() - read_at < TOKEN_REREAD:
-            return
-        read_at = time.monotonic()
-        try:
-            with open(token_file) as f:
-                configuration.api_key["BearerToken"] = f"Bearer {f.read().strip()}"
-        except OSError as err:  # keep the token we have; the file may be mid-rotation
-            log.warning("cannot read the token file %s again: %s", token_file, err)
-
-    return refresh
-
-
-def api_client(
-    kubeconfig: str | None, master: str | None, origin: str = "--kubeconfig"
-) -> client.ApiClient:
-    """The API server to talk to: a kubeconfig, else in-cluster credentials, else
-    `master` alone. `master` overrides the address in every case: in-cluster, the
-    default is the kubernetes Service's ClusterIP, which nothing serves until kpr
-    itself runs. `origin` says where the kubeconfig's path came from, for errors."""
-    from kubernetes import config
-    from kubernetes.config.config_exception import ConfigException
-    from kubernetes.config.incluster_config import (
-        SERVICE_CERT_FILENAME,
-        SERVICE_TOKEN_FILENAME,
-        InClusterConfigLoader,
-    )
-
-    configuration = client.Configuration()
-    if kubeconfig:
-        doc = _check_kubeconfig(kubeconfig, origin)
-        try:
-            config.load_kube_config(config_file=kubeconfig, client_configuration=configuration)
-        except (ConfigException, ValueError, KeyError, TypeError) as err:
-            raise _kubeconfig_error(kubeconfig, origin, str(err).rstrip(".")) from None
-        context = next(c for c in doc["contexts"] if c.get("name") == doc["current-context"])
-        user_name = (context.get("context") or {}).get("user")
-        user = next(
-            (u.get("user") or {} for u in doc.get("users") or [] if u.get("name") == user_name), {}
-        )
-        if user.get("tokenFile") and not user.get("token"):
-            token_file = os.path.join(
-                os.path.dirname(os.path.abspath(kubeconfig)), user["tokenFile"]
-            )
-            # (the client declares the hook's default, None, as its type)
-            configuration.refresh_api_key_hook = _reread_token(token_file)  # type: ignore[assignment]
-    elif os.path.exists(SERVICE_TOKEN_FILENAME):
-        environ = dict(os.environ)
-        if master:  # the loader insists on these; the host is replaced below anyway
-            environ.setdefault("KUBERNETES_SERVICE_HOST", "127.0.0.1")
-            environ.setdefault("KUBERNETES_SERVICE_PORT", "443")
-        loader = InClusterConfigLoader(
-            SERVICE_TOKEN_FILENAME, SERVICE_CERT_FILENAME, environ=environ
-        )
-        loader.load_and_set(configuration)
-        if master:
-            # Its token refresh hook, run before every request, sets the host again from
-            # the loader: give it --master, or the second request goes to the ClusterIP.
-            loader.host = master
-    elif not master:
-        raise ValueError(
-            "No API server to talk to: pass --kubeconfig or --master, set "
-            "clientConnection.kubeconfig in --config, or run in a pod (in-cluster credentials)."
-        )
-    if master:
-        configuration.host = master
-    # our own back-off retries; urllib3's would multiply every timeout by four
-    configuration.retries = False
-    return client.ApiClient(configuration)

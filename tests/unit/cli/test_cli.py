@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 
 from kpr import __version__
-from kpr.sources.kubernetes import KubeconfigError, KubernetesSource, api_client
+from kpr.sources.connection import KubeconfigError, connect
+from kpr.sources.kubernetes import KubernetesSource
 from tests.support.cli import kpr, mount_kube_proxy_configmap, safe_run_args
 
 
@@ -34,10 +35,10 @@ def test_a_bad_log_level_lists_the_choices(tmp_path: Path) -> None:
 
 def test_kube_proxys_kubeconfig_conf_reaches_the_api_server(tmp_path: Path, api) -> None:
     config_dir = mount_kube_proxy_configmap(tmp_path, api.url)
-    client = api_client(str(config_dir / "kubeconfig.conf"), None)
-    assert client.configuration.host == api.url
-    assert client.configuration.api_key["BearerToken"] == "Bearer token-1"
-    source = KubernetesSource(client, "node-1")
+    connection = connect(str(config_dir / "kubeconfig.conf"), None)
+    assert connection.host == api.url
+    assert connection.token() == "token-1"
+    source = KubernetesSource(connection, "node-1")
     source.start()
     try:
         deadline = time.monotonic() + 20
@@ -49,15 +50,15 @@ def test_kube_proxys_kubeconfig_conf_reaches_the_api_server(tmp_path: Path, api)
 
 
 def test_a_rotated_token_file_is_read_again(tmp_path: Path, api, monkeypatch) -> None:
-    from kpr.sources import kubernetes
+    from kpr.sources import connection
 
     config_dir = mount_kube_proxy_configmap(tmp_path, api.url)
-    monkeypatch.setattr(kubernetes, "TOKEN_REREAD", 0.0)
-    client = api_client(str(config_dir / "kubeconfig.conf"), None)
+    monkeypatch.setattr(connection, "TOKEN_REREAD", 0.0)
+    api_connection = connect(str(config_dir / "kubeconfig.conf"), None)
+    assert api_connection.token() == "token-1"
     token = tmp_path / "var/run/secrets/kubernetes.io/serviceaccount/token"
     token.write_text("token-2\n")  # the kubelet rotates bound tokens in place
-    client.configuration.refresh_api_key_hook(client.configuration)
-    assert client.configuration.api_key["BearerToken"] == "Bearer token-2"
+    assert api_connection.token() == "token-2"
 
 
 @pytest.mark.parametrize(
@@ -74,7 +75,7 @@ def test_a_bad_kubeconfig_is_one_paragraph_naming_the_file(tmp_path: Path, damag
     config_dir = mount_kube_proxy_configmap(tmp_path, "https://192.0.2.1:6443")
     damage(config_dir, tmp_path / "var/run/secrets/kubernetes.io/serviceaccount")
     with pytest.raises(KubeconfigError) as err:
-        api_client(str(config_dir / "kubeconfig.conf"), None, "clientConnection.kubeconfig")
+        connect(str(config_dir / "kubeconfig.conf"), None, "clientConnection.kubeconfig")
     message = str(err.value)
     assert message.startswith(f"{config_dir / 'kubeconfig.conf'} (clientConnection.kubeconfig)")
     assert named in message and "\n" not in message

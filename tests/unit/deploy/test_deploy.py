@@ -443,11 +443,12 @@ def test_probes_are_on_the_port_kpr_serves(rendered, daemonset):
 def api_requests() -> set[tuple[str, str, str]]:
     """(API group, resource, verb) of every request KubernetesSource makes, recorded by the
     test API server while the real kubernetes client lists and watches."""
-    from kpr.sources.kubernetes import KubernetesSource, api_client
+    from kpr.sources.connection import connect
+    from kpr.sources.kubernetes import KubernetesSource
     from tests.support.apiserver import TestApiServer
 
     with TestApiServer(bookmark_interval=0.2) as server:
-        source = KubernetesSource(api_client(None, server.url), "node-1")
+        source = KubernetesSource(connect(None, server.url), "node-1")
         source.start()
         try:
             deadline = time.monotonic() + 20
@@ -506,11 +507,12 @@ def api_operations_in_code() -> set[str]:
 
 
 def test_rbac_is_exactly_what_the_code_calls(rendered):
-    from kpr.sources.kubernetes import KubernetesSource, api_client
+    from kpr.sources.connection import connect
+    from kpr.sources.kubernetes import KubernetesSource
 
     # every API operation in kpr/ is one the source's watchers use, so the requests
     # recorded below are all the requests kpr makes
-    source = KubernetesSource(api_client(None, "http://127.0.0.1:1"), "node-1")
+    source = KubernetesSource(connect(None, "http://127.0.0.1:1"), "node-1")
     watched = {w.list_fn.__name__ for w in source.watchers}
     assert api_operations_in_code() == watched
     assert watched == {

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from kpr.sources.kubernetes import KubernetesSource, api_client
+from kpr.sources.connection import connect
+from kpr.sources.kubernetes import LIST_SERVICES, KubernetesSource, lister
 from tests.support.kube import endpoint_slice, service
 
 
@@ -30,7 +31,7 @@ FIRST_SLICE = endpoint_slice("web", [], [])["metadata"]["name"]  # the fixture's
 
 @pytest.fixture
 def source() -> KubernetesSource:
-    source = KubernetesSource(api_client(None, "http://127.0.0.1:1"), "node-1")
+    source = KubernetesSource(connect(None, "http://127.0.0.1:1"), "node-1")
     for watcher in source.watchers:  # as if every first list had completed
         watcher.stats.synced = True
     source._listed("services-0", [service("web", ["10.96.0.10"], [("http", 80, "TCP")])])
@@ -87,28 +88,37 @@ def test_other_taints_do_not_drain(source: KubernetesSource) -> None:
     assert source.poll() is None
 
 
-def test_master_stays_the_address_with_in_cluster_credentials(tmp_path, monkeypatch):
-    """In a pod (the DaemonSet) with --master set, every request goes to --master: the
-    in-cluster loader's token refresh, run before each request, must not put the kubernetes
-    Service's ClusterIP back (nothing serves it until kpr runs: found on the real-node lab)."""
-    from kubernetes import client as k8s_client
-    from kubernetes.config import incluster_config
-
+def test_in_cluster_credentials_send_the_pod_token_to_master(tmp_path, monkeypatch):
+    """In a pod (the DaemonSet) with --master set, every request goes to --master with the
+    pod's token: not to the kubernetes Service's ClusterIP (nothing serves it until kpr
+    runs: found on the real-node lab)."""
+    from kpr.sources import connection
     from tests.support.apiserver import TestApiServer
 
-    token, ca = tmp_path / "token", tmp_path / "ca.crt"
-    token.write_text("pod-token")
-    ca.write_text("unused: the test server is plain HTTP\n")
-    monkeypatch.setattr(incluster_config, "SERVICE_TOKEN_FILENAME", str(token))
-    monkeypatch.setattr(incluster_config, "SERVICE_CERT_FILENAME", str(ca))
+    (tmp_path / "token").write_text("pod-token\n")
+    # a CA certificate the ssl module accepts (the test server is plain HTTP)
+    (tmp_path / "ca.crt").write_text(ssl_ca_pem())
+    monkeypatch.setattr(connection, "SERVICE_ACCOUNT", tmp_path)
     # What the kubelet gives every pod: the kubernetes Service, here an address nothing serves.
     monkeypatch.setenv("KUBERNETES_SERVICE_HOST", "127.0.0.1")
     monkeypatch.setenv("KUBERNETES_SERVICE_PORT", "1")
     with TestApiServer() as server:
-        core = k8s_client.CoreV1Api(api_client(None, server.url))
+        api = connect(None, server.url)
         for _ in range(3):
-            core.list_namespaced_service("default", _request_timeout=5)
-        assert core.api_client.configuration.host == server.url
+            assert b"items" in lister(api, LIST_SERVICES)(_request_timeout=5).data
+        assert api.host == server.url and api.token() == "pod-token"
+        assert connect(None, None).host == "https://127.0.0.1:1"
+
+
+def ssl_ca_pem() -> str:
+    """Some CA certificate in PEM: the system's first."""
+    import ssl
+
+    paths = ssl.get_default_verify_paths()
+    with open(paths.cafile or "/etc/ssl/certs/ca-certificates.crt") as f:
+        text = f.read()
+    end = "-----END CERTIFICATE-----"
+    return text[: text.index(end) + len(end)] + "\n"
 
 
 def test_the_nodes_internal_ips_come_with_the_snapshot_and_a_change_resyncs(
