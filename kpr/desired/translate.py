@@ -27,9 +27,8 @@ from kpr.model import (
     ServicePort,
     Translation,
 )
-from kpr.sources.objects import SERVICE_NAME_LABEL
+from kpr.sources.objects import SERVICE_NAME_LABEL, SERVICE_PROXY_NAME_LABEL
 
-SERVICE_PROXY_NAME_LABEL = "service.kubernetes.io/service-proxy-name"
 LOCALHOST = IPv4Address("127.0.0.1")
 
 

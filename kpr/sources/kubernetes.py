@@ -36,12 +36,17 @@ from kpr.model import (
     Snapshot,
 )
 from kpr.sources.connection import ApiConnection, ApiError, Timeout, lines
-from kpr.sources.objects import ObjectError, node_is_deleting, parse_endpoint_slice, parse_service
+from kpr.sources.objects import (
+    SERVICE_PROXY_NAME_LABEL,
+    ObjectError,
+    node_is_deleting,
+    parse_endpoint_slice,
+    parse_service,
+)
 from kpr.sources.tracker import ChangeTracker
 
 log = logging.getLogger(__name__)
 
-SERVICE_PROXY_NAME_LABEL = "service.kubernetes.io/service-proxy-name"
 HEADLESS_LABEL = "service.kubernetes.io/headless"
 LIST_PAGE = 500  # client-go's reflector page size
 ZONE_LABEL = "topology.kubernetes.io/zone"

@@ -8,9 +8,10 @@ a bad field raises ObjectError naming the object and the field path.
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from datetime import datetime
 from ipaddress import ip_address, ip_network
+from types import MappingProxyType
 from typing import Any
 
 from kpr.model import (
@@ -26,7 +27,11 @@ from kpr.model import (
     address_value,
 )
 
-SERVICE_NAME_LABEL = "kubernetes.io/service-name"
+SERVICE_NAME_LABEL = "kubernetes.io/service-name"  # an EndpointSlice's Service
+SERVICE_PROXY_NAME_LABEL = "service.kubernetes.io/service-proxy-name"  # a Service's proxy
+# the labels kpr reads: an object keeps these only (every label is still validated)
+KEPT_LABELS = frozenset((SERVICE_NAME_LABEL, SERVICE_PROXY_NAME_LABEL))
+NO_LABELS: Mapping[str, str] = MappingProxyType({})  # (one object for every unlabelled one)
 TO_BE_DELETED_TAINT = "ToBeDeletedByClusterAutoscaler"  # the cluster autoscaler's
 SERVICE_TYPES = ("ClusterIP", "NodePort", "LoadBalancer", "ExternalName")
 SERVICE_PROTOCOLS = ("TCP", "UDP", "SCTP")
@@ -81,9 +86,7 @@ def _string(value: object, ref: ObjectRef | None, path: str, default: str = "") 
         return default
     if not isinstance(value, str):
         raise ObjectError(ref, path, f"must be a string, not {_type_name(value)}")
-    # the same few names (namespaces, port names, label keys, node names) recur in
-    # every object: one copy each keeps 10,000 Services some MB smaller
-    return sys.intern(value)
+    return value
 
 
 def _choice(
@@ -133,7 +136,7 @@ def _ip(value: object, ref: ObjectRef, path: str, version: int | None = None) ->
     return address
 
 
-def _metadata(obj: dict[str, Any], kind: str) -> tuple[ObjectRef, dict[str, str]]:
+def _metadata(obj: dict[str, Any], kind: str) -> tuple[ObjectRef, Mapping[str, str]]:
     metadata = _mapping(obj.get("metadata"), None, "metadata")
     name = metadata.get("name")
     if not isinstance(name, str) or not name:
@@ -144,10 +147,12 @@ def _metadata(obj: dict[str, Any], kind: str) -> tuple[ObjectRef, dict[str, str]
     )
     ref = ObjectRef(kind, namespace, name)
     labels = _mapping(metadata.get("labels"), ref, "metadata.labels")
-    return ref, {
-        sys.intern(str(key)): _string(value, ref, f"metadata.labels[{key}]")
-        for key, value in labels.items()
-    }
+    kept: dict[str, str] = {}
+    for key, value in labels.items():
+        text = _string(value, ref, f"metadata.labels[{key}]")  # each one validated
+        if key in KEPT_LABELS:
+            kept[key] = text
+    return ref, kept or NO_LABELS
 
 
 # --- Service -------------------------------------------------------------------------
@@ -262,7 +267,7 @@ def _service_port(value: object, ref: ObjectRef, path: str) -> ServicePort:
     port = _mapping(value, ref, path)
     node_port = port.get("nodePort")
     return ServicePort(
-        name=_string(port.get("name"), ref, f"{path}.name"),
+        name=_name(port.get("name"), ref, f"{path}.name") or "",
         protocol=_choice(port.get("protocol"), ref, f"{path}.protocol", SERVICE_PROTOCOLS, "TCP"),
         port=_port(port.get("port"), ref, f"{path}.port"),
         node_port=None if node_port is None else _port(node_port, ref, f"{path}.nodePort"),
@@ -358,7 +363,7 @@ def _endpoint_port(value: object, ref: ObjectRef, path: str) -> EndpointPort:
     port = _mapping(value, ref, path)
     number = port.get("port")
     return EndpointPort(
-        name=_string(port.get("name"), ref, f"{path}.name"),
+        name=_name(port.get("name"), ref, f"{path}.name") or "",
         protocol=_choice(port.get("protocol"), ref, f"{path}.protocol", SERVICE_PROTOCOLS, "TCP"),
         port=None if number is None else _port(number, ref, f"{path}.port"),
     )
@@ -401,7 +406,8 @@ def _hint_names(value: object, ref: ObjectRef, path: str) -> tuple[str, ...] | N
 
 
 def _name(value: object, ref: ObjectRef, path: str) -> str | None:
-    """A node's or a zone's name: one string object for all the endpoints that name it."""
+    """A name that recurs (a node's, a zone's, a port's): one string object for all the
+    objects that name it. (Not the names of objects: each is its own.)"""
     return None if value is None else sys.intern(_string(value, ref, path))
 
 

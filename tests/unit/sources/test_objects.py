@@ -117,10 +117,14 @@ def test_headless_service_has_no_cluster_ips(spec: dict[str, Any]) -> None:
     assert parse_service(obj).cluster_ips == ()
 
 
-def test_labels_are_kept() -> None:
+def test_the_labels_kpr_reads_are_kept_and_the_others_checked() -> None:
     obj = service_dict()
-    obj["metadata"]["labels"] = {"service.kubernetes.io/service-proxy-name": "kpr"}
+    obj["metadata"]["labels"] = {"service.kubernetes.io/service-proxy-name": "kpr", "app": "web"}
     assert parse_service(obj).labels == {"service.kubernetes.io/service-proxy-name": "kpr"}
+    obj["metadata"]["labels"] = {"app": "web"}
+    assert parse_service(obj).labels == {}
+    obj["metadata"]["labels"] = {"app": 7}
+    assert error_of(parse_service, obj).field == "metadata.labels[app]"
 
 
 @pytest.mark.parametrize(
