@@ -62,6 +62,12 @@ from kpr.node.devices import (
 
 log = logging.getLogger("kpr")
 
+# how often the run loop looks, when nothing wakes it, for what it does when quiet: the
+# desired-state file put off by changes, the watches' health for `kpr status`. (A change
+# of the objects or of the devices wakes it at once; a turn every second was a visible
+# share of the agent's idle CPU.)
+IDLE_TICK = 5.0
+
 
 class Source(Protocol):
     @property
@@ -71,6 +77,9 @@ class Source(Protocol):
     def stop(self) -> None: ...
     def wait(self, timeout: float) -> bool:
         """Until something may have changed (True), or `timeout` passed (False)."""
+
+    def wake(self) -> None:
+        """End a `wait` at once: something else needs the run loop (a device changed)."""
 
     def poll(self) -> Snapshot | None:
         """What changed since the last call; None when nothing did."""
@@ -299,7 +308,7 @@ class Agent:
         if follows:
             assert cfg.device_spec is not None
             # listening before the devices are read again: no change between is missed
-            self.device_watch = DeviceWatch()
+            self.device_watch = DeviceWatch(on_change=self.source.wake)
             self.attachments.devices = choose_devices(cfg.device_spec, strict=False)
         # the address a remote backend sees for masqueraded flows, before any TC program runs
         tc.write_devices(cfg.pin_dir, tc.device_entries(self.devices))
@@ -726,7 +735,7 @@ class Agent:
                     log.error("could not follow the devices' change: %s", err)
 
         self.source.start()
-        self.runner.run(stop, sync, wait, idle)
+        self.runner.run(stop, sync, wait, idle, tick=IDLE_TICK)
         if self.device_watch is not None:
             self.device_watch.close()
         self.source.stop()

@@ -22,7 +22,7 @@ import logging
 import select
 import socket
 import threading
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from ipaddress import ip_address, ip_network
 
@@ -172,8 +172,9 @@ class DeviceWatch:
     Which change it was does not matter: the devices are read whole, so the messages
     are not parsed, and an overrun (ENOBUFS) means the same."""
 
-    def __init__(self) -> None:
+    def __init__(self, on_change: Callable[[], None] = lambda: None) -> None:
         self.changed = threading.Event()
+        self.on_change = on_change  # called after `changed` is set (the agent's run loop wakes)
         self._closed = threading.Event()
         # bound before the agent reads the devices: nothing between is missed
         self._socket = socket.socket(socket.AF_NETLINK, socket.SOCK_RAW, NETLINK_ROUTE)
@@ -196,6 +197,7 @@ class DeviceWatch:
                     return
                 log.info("netlink device events: %s; reading the devices again", err)
             self.changed.set()
+            self.on_change()
 
     def close(self) -> None:
         self._closed.set()

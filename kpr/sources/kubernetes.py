@@ -145,9 +145,11 @@ class Watcher(threading.Thread):
         watch_timeout: float = 300.0,
         request_timeout: float = 30.0,
         report: Callable[[str, str], None] = lambda what, resource: None,
+        on_connection: Callable[[], None] = lambda: None,
     ) -> None:
         super().__init__(name=f"watch-{name}", daemon=True)
         self.report = report  # ("restart" | "relist", resource) for metrics
+        self.on_connection = on_connection  # the watch connected or lost its connection
         self.resource = name
         self.list_fn = list_fn
         self.on_list = on_list
@@ -174,7 +176,7 @@ class Watcher(threading.Thread):
                 version = self._watch_from(version)
                 self.backoff.reset()
             except ApiError as err:
-                self.stats.connected = False
+                self._connected(False)
                 if err.status == 410:
                     log.info(
                         "%s: resourceVersion %s expired (410): listing again", self.name, version
@@ -185,12 +187,17 @@ class Watcher(threading.Thread):
                     continue
                 self._failed(f"API error {err.status}: {err.reason}")
             except Exception as err:  # network errors, timeouts: the server may come back
-                self.stats.connected = False
+                self._connected(False)
                 if self._streamed():
                     # a stream that worked and then broke is no sign of a server in trouble:
                     # watch again at once (after the first back-off step), as client-go does
                     self.backoff.reset()
                 self._failed(f"{type(err).__name__}: {err}")
+
+    def _connected(self, connected: bool) -> None:
+        if connected != self.stats.connected:
+            self.stats.connected = connected
+            self.on_connection()
 
     def _streamed(self) -> bool:
         """Did the last watch stream run for a while before it ended? (client-go backs
@@ -253,7 +260,7 @@ class Watcher(threading.Thread):
         )
         self._response = response
         self._streaming_since = time.monotonic()
-        self.stats.connected = True
+        self._connected(True)
         try:
             for line in lines(response):
                 if self.stop_event.is_set():
@@ -328,6 +335,7 @@ class KubernetesSource:
                 watch_timeout=watch_timeout,
                 request_timeout=request_timeout,
                 report=report,
+                on_connection=self.wake,  # `kpr status` shows the watches' health
             )
 
         self.watchers: list[Watcher] = []
@@ -371,6 +379,9 @@ class KubernetesSource:
             # until the next full sync; changes a tick apart hit that often)
             self._changes.clear()
         return changed
+
+    def wake(self) -> None:
+        self._changes.set()
 
     # --- feeding the store (watcher threads) --------------------------------------
 

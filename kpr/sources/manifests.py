@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -57,6 +58,7 @@ class ManifestSource:
         self.directory = directory
         self._stamps: dict[str, tuple[int, int]] | None = None
         self._polled = False
+        self._woken = threading.Event()  # `wake`
         self._definitions: dict[str, list[_Definition]] = {}  # per file, from its last good read
         self._objects: dict[ObjectRef, KubeObject] = {}  # in the last snapshot
         self._tracker = ChangeTracker()
@@ -74,15 +76,19 @@ class ManifestSource:
         pass
 
     def wait(self, timeout: float) -> bool:
-        """Until a file changed (True) or `timeout` passed (False)."""
+        """Until a file changed or `wake` was called (True), or `timeout` passed (False)."""
         deadline = time.monotonic() + timeout
         while True:
-            if self._polled and self._scan() != self._stamps:
+            if self._woken.is_set() or (self._polled and self._scan() != self._stamps):
+                self._woken.clear()
                 return True
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 return False
             time.sleep(min(POLL_INTERVAL, remaining))
+
+    def wake(self) -> None:
+        self._woken.set()
 
     def status(self) -> dict:
         return {}  # no watches: the directory is read when it changes
