@@ -2,7 +2,8 @@
 ``python -m bench.nodeport``); the figures at scale of the socket datapath (scale: ``python -m
 bench.scale``, `make scale`); the control plane against the test API server (control_plane:
 ``python -m bench.control_plane``, on tests/support/apiserver.py); the agent's own cost by
-cluster size (agent_cost: ``python -m bench.agent_cost``, on the same server); and the
+cluster size (agent_cost: ``python -m bench.agent_cost``, on the same server) and what it is
+made of (agent_parts: ``python -m bench.agent_parts``); and the
 network programming latency SLI on the lab's real control plane (sli: ``python -m bench.sli``).
 They run from a
 checkout of the repository, beside the lab they use (lab/); neither is in the installed package.

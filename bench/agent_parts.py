@@ -1,0 +1,120 @@
+"""What the agent's memory and start-up are made of, part by part:
+
+    python -m bench.agent_parts --services 10000
+
+- the resident memory each of the modules the agent imports adds, in the order it loads
+  them (each in a fresh interpreter after the ones before: what it adds to the agent);
+- the bytes one record takes (sys.getsizeof, with what it alone holds): a Backend, a
+  slice's packed endpoints per endpoint, and the objects they replaced;
+- parsing and translating N Services of one EndpointSlice × 10 endpoints (the bench's
+  objects, bench/scale.py), in microseconds a Service (the best of --repeats).
+
+Nothing runs but this process and its short-lived children.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from ipaddress import IPv4Address
+
+from bench.scale import bench_endpoint_slice, bench_service
+from kpr.desired.state import DesiredState
+from kpr.model import Backend, Endpoint, Endpoints, NodeContext, address_value
+from kpr.sources.objects import parse_endpoint_slice, parse_service
+
+# as `kpr run` imports them (kpr.cli.main, then what `run` loads): the third-party ones first
+MODULES = [
+    "ssl",
+    "urllib3",
+    "yaml",
+    "numpy",
+    "prometheus_client",
+    "pyroute2",
+    "typer",
+    "kpr.cli.main",
+    "kpr.agent.loop",
+    "kpr.sources.kubernetes",
+]
+RSS = "int(open('/proc/self/statm').read().split()[1]) * 4096"
+
+
+def module_rss() -> list[tuple[str, float]]:
+    """MB of RSS each module adds to those before it."""
+    out = []
+    before = 0.0
+    for i, name in enumerate(["", *MODULES]):
+        imports = "".join(f"import {m}\n" for m in MODULES[:i])
+        code = f"{imports}print({RSS})"
+        rss = int(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                                 check=True).stdout) / 2**20  # fmt: skip
+        if name:
+            out.append((name, rss - before))
+        else:
+            out.append(("(the interpreter)", rss))
+        before = rss
+    return out
+
+
+def record_bytes() -> dict[str, int]:
+    address = IPv4Address("10.244.1.7")
+    backend = Backend(address, 8080)
+    endpoint = Endpoint(address_value(address), node_name="node-1")
+    packed = Endpoints([endpoint] * 10)
+    per_endpoint = (
+        sys.getsizeof(packed)
+        + sum(sys.getsizeof(getattr(packed, f)) for f in ("_ips", "_conditions"))
+        + sys.getsizeof(packed._places)
+    ) / 10
+    return {
+        "Backend": sys.getsizeof(backend),
+        "an IPv4Address (what a backend held before)": sys.getsizeof(address)
+        + sys.getsizeof(int(address)),
+        "packed endpoint (a slice of 10, with node names)": round(per_endpoint),
+        "Endpoint as read (a tuple, short-lived)": sys.getsizeof(endpoint),
+    }
+
+
+def parse_and_translate(services: int, repeats: int) -> dict[str, float]:
+    base = IPv4Address("10.128.0.0")
+    raw = [
+        (
+            bench_service(f"s{i}", str(IPv4Address("10.96.0.0") + i)),
+            bench_endpoint_slice(f"s{i}", [str(base + i * 10 + j) for j in range(10)]),
+        )
+        for i in range(services)
+    ]
+    raw = json.loads(json.dumps(raw))  # (fresh objects, as decoded from the API)
+    best = {"parse": float("inf"), "translate": float("inf")}
+    for _ in range(repeats):
+        began = time.perf_counter()
+        parsed = [(parse_service(s), parse_endpoint_slice(e)) for s, e in raw]
+        parsed_at = time.perf_counter()
+        DesiredState().update([s for s, _ in parsed], [e for _, e in parsed], NodeContext())
+        done = time.perf_counter()
+        best["parse"] = min(best["parse"], parsed_at - began)
+        best["translate"] = min(best["translate"], done - parsed_at)
+    return {name: seconds / services * 1e6 for name, seconds in best.items()}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--services", type=int, default=10000)
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args()
+    print("RSS each module adds, MB:")
+    for name, mb in module_rss():
+        print(f"  {mb:6.1f}  {name}")
+    print("bytes a record takes:")
+    for name, size in record_bytes().items():
+        print(f"  {size:6d}  {name}")
+    print(f"{args.services} Services × 10 endpoints, microseconds a Service:")
+    for name, us in parse_and_translate(args.services, args.repeats).items():
+        print(f"  {us:6.1f}  {name}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,14 @@
+"""bench.agent_parts: the figures docs/benchmarks.md quotes come out of it."""
+
+from bench.agent_parts import MODULES, module_rss, parse_and_translate, record_bytes
+
+
+def test_it_prints_each_module_a_record_size_and_a_time_per_service() -> None:
+    rss = module_rss()
+    assert [name for name, _ in rss] == ["(the interpreter)", *MODULES]
+    assert all(mb >= 0 for _, mb in rss[1:]) and rss[0][1] > 1
+    sizes = record_bytes()
+    assert 0 < sizes["Backend"] < sizes["an IPv4Address (what a backend held before)"]
+    assert 0 < sizes["packed endpoint (a slice of 10, with node names)"] < 64
+    times = parse_and_translate(20, 1)
+    assert set(times) == {"parse", "translate"} and all(t > 0 for t in times.values())
