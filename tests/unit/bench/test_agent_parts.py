@@ -6,7 +6,8 @@ from bench.agent_parts import MODULES, module_rss, parse_and_translate, record_b
 def test_it_prints_each_module_a_record_size_and_a_time_per_service() -> None:
     rss = module_rss()
     assert [name for name, _ in rss] == ["(the interpreter)", *MODULES]
-    assert all(mb >= 0 for _, mb in rss[1:]) and rss[0][1] > 1
+    added = dict(rss)
+    assert added["(the interpreter)"] > 1 and added["numpy"] > 1  # (small ones vary by pages)
     sizes = record_bytes()
     assert 0 < sizes["Backend"] < sizes["an IPv4Address (what a backend held before)"]
     assert 0 < sizes["packed endpoint (a slice of 10, with node names)"] < 64
