@@ -82,10 +82,23 @@ class BackendTable(MutableMapping[int, Backend]):
     def __setitem__(self, bid: int, backend: Backend) -> None:
         if bid < 0:
             raise KeyError(bid)
-        if bid >= len(self._by_id):
-            self._by_id.extend([None] * (bid + 1 - len(self._by_id)))
+        self._grow(bid)
         self._count += self._by_id[bid] is None
         self._by_id[bid] = backend
+
+    def update(self, backends: Mapping[int, Backend]) -> None:  # type: ignore[override]
+        """(As dict.update, a loop with no call per backend: a first sync adds a million.)"""
+        if not backends:
+            return
+        self._grow(max(backends))
+        by_id = self._by_id
+        self._count += sum(by_id[bid] is None for bid in backends)
+        for bid, backend in backends.items():
+            by_id[bid] = backend
+
+    def _grow(self, bid: int) -> None:
+        if bid >= len(self._by_id):
+            self._by_id.extend([None] * (bid + 1 - len(self._by_id)))
 
     def __delitem__(self, bid: int) -> None:
         self[bid]  # (KeyError when absent)
@@ -122,10 +135,12 @@ class RefCounts:
         return self._counts[bid] if bid < len(self._counts) else 0
 
     def add(self, ids: Iterable[int], change: int = 1) -> None:
+        ids = ids if isinstance(ids, list) else list(ids)
         counts = self._counts
+        top = max(ids, default=-1)
+        if top >= len(counts):
+            counts.extend([0] * (top + 1 - len(counts)))
         for bid in ids:
-            if bid >= len(counts):
-                counts.extend([0] * (bid + 1 - len(counts)))
             counts[bid] += change
 
     def remove(self, ids: Iterable[int]) -> None:
