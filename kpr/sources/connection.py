@@ -4,7 +4,7 @@ of the watches (kpr/sources/kubernetes.py), on urllib3.
 Credentials come from a kubeconfig (the server, its CA, a client certificate and key, a
 token or a token file: what kube-proxy's kubeconfig.conf and kubeadm's kubeconfigs hold),
 else from the pod's service account (in-cluster), else `--master` alone. Not from the
-official client: importing it costs the agent 19 MB of its memory (pydantic, generated
+official client: importing it costs the agent much of its memory (pydantic, generated
 models, credential plugins) for the few GETs it makes, and the agent's memory is what an
 operator pays on every node. Not supported, each refused with the reason: a kubeconfig
 user's `exec` or `auth-provider` plugin, and its `proxy-url`.
