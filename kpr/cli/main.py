@@ -2,14 +2,8 @@
 
 from __future__ import annotations
 
-import errno
 import json
-import logging
-import os
-import signal
-import socket
 import sys
-import threading
 from enum import StrEnum
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
@@ -19,12 +13,10 @@ import typer
 import kpr
 from kpr import __version__
 from kpr.agent import runstate
-from kpr.model import NodeContext
 from kpr.node import host
 
 if TYPE_CHECKING:
-    from kpr.agent.loop import Source
-    from kpr.serving import BackgroundServer
+    pass
 
 app = typer.Typer(
     add_completion=False,
@@ -88,20 +80,6 @@ def _use_checkout(command: str) -> None:
         raise typer.Exit(2)
     if str(root) not in sys.path:
         sys.path.insert(0, str(root))
-
-
-def _bind(server: BackgroundServer, flag: str, address: str) -> None:
-    """Take a listening port before anything is compiled or pinned; a port in use is a
-    set-up error naming the port and the process holding it (often kube-proxy)."""
-    try:
-        server.bind()
-    except OSError as err:
-        if err.errno == errno.EADDRINUSE:
-            raise host.port_in_use(flag, address, server.requested_port) from None
-        raise host.SetupError(f"{flag} {address}: cannot listen there: {err}") from None
-
-
-SWITCH_INTERVAL = 0.0005  # seconds (Python's default: 0.005)
 
 
 @app.command()
@@ -194,150 +172,30 @@ def run(
     ] = LogLevel.info,
 ) -> None:
     """Run the agent: keep the BPF maps equal to the Services of the API server (or --source)."""
-    from kpr.agent.loop import Agent, AgentConfig
-    from kpr.agent.telemetry import Telemetry
-    from kpr.cli.config import ConfigError, ProxyConfig, load_config, split_host_port
-    from kpr.datapath import abi
-    from kpr.health.proxier import HealthServer, ProxyHealth
-    from kpr.health.services import HealthCheckServers
-    from kpr.node.devices import choose_devices, node_port_addresses
-    from kpr.observe.metrics import Metrics, MetricsServer
+    from kpr.cli.serve import RunOptions, exec_agent
 
-    logging.basicConfig(
-        level=log_level.value.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
-    log = logging.getLogger("kpr")
-    servers: list[BackgroundServer] = []  # bound before the agent starts; closed again if it cannot
-    try:
-        host.require_root()
-        # held until this process exits: `kpr cleanup` refuses while it is (kept in a local
-        # that lives as long as the agent runs below)
-        agent_lock = runstate.hold_agent_lock(bpffs)
-        proxy = ProxyConfig()
-        if config_file is not None:
-            try:
-                text = config_file.read_text()
-            except OSError as err:
-                raise ConfigError(f"--config {config_file}: {err.strerror or err}") from None
-            proxy, notes = load_config(text, str(config_file))
-            for note in notes:
-                log.info("config: %s", note)
-            for line in proxy.unused(os.cpu_count() or 1):
-                log.info("config: %s: %s", config_file, line)
-        for name, value in (
-            ("healthz_bind_address", healthz_bind_address),
-            ("metrics_bind_address", metrics_bind_address),
-            ("min_sync_period", min_sync_period),
-            ("sync_period", sync_period),
-        ):
-            if value is not None:
-                setattr(proxy, name, value)
-        node = node_name or proxy.hostname_override or socket.gethostname()
-        metrics = Metrics()
-        feed: Source
-        if source is not None:
-            from kpr.sources.manifests import ManifestSource
-
-            feed = ManifestSource(source)
-        else:
-            from kpr.sources.connection import connect
-            from kpr.sources.kubernetes import KubernetesSource
-
-            def report(what: str, resource: str) -> None:
-                counter = (
-                    metrics.relists_total if what == "relist" else metrics.watch_restarts_total
-                )
-                counter.labels(resource=resource).inc()
-
-            origin = (
-                "--kubeconfig" if kubeconfig else f"clientConnection.kubeconfig in {config_file}"
-            )
-            feed = KubernetesSource(
-                connect(kubeconfig or proxy.kubeconfig, master, origin),
-                node,
-                proxy_name,
-                on_invalid=lambda kind: metrics.invalid_objects_total.labels(kind=kind).inc(),
-                report=report,
-            )
-        chosen = choose_devices(devices)
-        sizes = abi.MapSizes.for_services(max_services, map_sizes)
-        log.info("%s", sizes.describe(max_services))
-        config = AgentConfig(
-            pin_dir=bpffs,
-            cgroup=cgroup,
-            sizes=sizes,
+    exec_agent(
+        RunOptions(
+            bpffs=str(bpffs),
+            source=None if source is None else str(source),
+            config_file=None if config_file is None else str(config_file),
+            kubeconfig=kubeconfig,
+            master=master,
+            cgroup=None if cgroup is None else str(cgroup),
+            node_name=node_name,
+            proxy_name=proxy_name,
+            healthz_bind_address=healthz_bind_address,
+            metrics_bind_address=metrics_bind_address,
+            min_sync_period=min_sync_period,
+            sync_period=sync_period,
+            netns_dirs=tuple(str(d) for d in netns_dir or ()),
             max_services=max_services,
-            node=NodeContext(
-                name=node,
-                proxy_name=proxy_name,
-                node_port_addresses=node_port_addresses(
-                    list(chosen.serve), proxy.node_port_addresses
-                ),
-                localhost_node_ports=proxy.localhost_node_ports,
-                external_ip_cidrs=_cidrs("--external-ip-cidrs", external_ip_cidrs),
-            ),
-            devices=chosen.serve,
-            reply_devices=chosen.replies,
-            device_spec=devices,
-            node_port_cidrs=list(proxy.node_port_addresses),
-            min_sync_period=proxy.min_sync_period,
-            sync_period=proxy.sync_period,
-            kubeconfig=kubeconfig or proxy.kubeconfig,
-            **({"netns_dirs": tuple(netns_dir)} if netns_dir else {}),
+            map_sizes=map_sizes,
+            devices=devices,
+            external_ip_cidrs=external_ip_cidrs,
+            log_level=log_level.value,
         )
-        health = ProxyHealth(proxy.sync_period)
-        server: BackgroundServer
-        if proxy.healthz_bind_address:
-            server = HealthServer(health, metrics, *split_host_port(proxy.healthz_bind_address))
-            _bind(server, "--healthz-bind-address", proxy.healthz_bind_address)
-            servers.append(server)
-        if proxy.metrics_bind_address:
-            server = MetricsServer(
-                metrics, *split_host_port(proxy.metrics_bind_address), configz=proxy.configz()
-            )
-            _bind(server, "--metrics-bind-address", proxy.metrics_bind_address)
-            servers.append(server)
-        addresses = (
-            [str(a) for a in config.node.node_port_addresses] if proxy.node_port_addresses else None
-        )
-        agent = Agent(feed, config, health_checks=HealthCheckServers(addresses, health.healthy))
-        agent.start()
-        assert agent.maps is not None  # (started)
-        agent.observers.append(
-            Telemetry(health, metrics, agent.kernel_headers, datapath_reader=agent.maps.stats)
-        )
-        for server in servers:
-            server.start()
-    except (host.SetupError, ConfigError, ValueError, OSError) as err:
-        for server in servers:
-            server.stop()
-        _fail(err)
-    stop = threading.Event()
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(signum, lambda *_: stop.set())
-    # a thread that gives up the GIL for a syscall (each map write does) waits for it up to
-    # the switch interval while another thread computes (the run-state file's serializer):
-    # 5 ms by default, 10 map writes of a change made 100 ms of it at 100,000 Services
-    sys.setswitchinterval(SWITCH_INTERVAL)
-    try:
-        agent.run(stop)
-    finally:
-        os.close(agent_lock)
-        for server in servers:
-            server.stop()
-        if agent.health_checks is not None:
-            agent.health_checks.close()
-
-
-def _cidrs(flag: str, text: str | None) -> tuple | None:
-    from ipaddress import ip_network
-
-    if text is None:
-        return None
-    try:
-        return tuple(ip_network(part.strip(), strict=False) for part in text.split(",") if part)
-    except ValueError as err:
-        raise ValueError(f"{flag}: {err}") from None
+    )
 
 
 @app.command()
