@@ -26,16 +26,16 @@ from kpr.desired.state import DesiredState
 from kpr.model import Backend, Endpoint, Endpoints, NodeContext, address_value
 from kpr.sources.objects import parse_endpoint_slice, parse_service
 
-# as `kpr run` imports them (kpr.cli.main, then what `run` loads): the third-party ones first
+# as the agent's process imports them (`kpr run` execs kpr.cli.serve, which loads the rest):
+# the third-party ones first
 MODULES = [
     "ssl",
     "urllib3",
     "yaml",
     "numpy",
     "prometheus_client",
-    "pyroute2",
-    "typer",
-    "kpr.cli.main",
+    "kpr.cli.serve",
+    "kpr.node.rtnetlink",
     "kpr.agent.loop",
     "kpr.sources.kubernetes",
 ]

@@ -22,7 +22,6 @@ import json
 import logging
 import os
 import socket
-import struct
 import sys
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -32,6 +31,7 @@ from kpr.datapath import abi, bpfsys, loader
 from kpr.model import IPAddress
 from kpr.node import host
 from kpr.node.devices import DeviceChoice
+from kpr.node.rtnetlink import NetlinkError, Rtnl, TcFilter
 
 log = logging.getLogger(__name__)
 
@@ -82,12 +82,6 @@ def compile_and_pin(pin_dir: Path, sizes: abi.MapSizes):
     return bpf
 
 
-def _ipr():
-    from pyroute2 import IPRoute
-
-    return IPRoute()
-
-
 def _setup_error(device: str, what: str, err: Exception) -> host.SetupError:
     code = getattr(err, "code", None) or getattr(err, "errno", None)
     if code in (errno.EPERM, errno.EACCES):
@@ -103,19 +97,27 @@ def _setup_error(device: str, what: str, err: Exception) -> host.SetupError:
     return host.SetupError(f"Could not {what} on device {device!r}: {err}. Fix: {fix}.")
 
 
-def _index(ipr, device: str) -> int:
-    found = ipr.link_lookup(ifname=device)
-    if not found:
+def _existing(device: str) -> int | None:
+    """The device's index; None when there is no such device."""
+    try:
+        return socket.if_nametoindex(device)
+    except OSError:
+        return None
+
+
+def _index(device: str) -> int:
+    index = _existing(device)
+    if index is None:
         raise host.SetupError(
             f"There is no network device {device!r} in this network namespace, so kpr cannot "
             f"attach its NodePort programs to it. Name existing devices (`ip link` lists "
             f"them) in kpr's device list."
         )
-    return found[0]
+    return index
 
 
-def _ensure_clsact(ipr, index: int, device: str) -> None:
-    kinds = {q.get_attr("TCA_KIND") for q in ipr.get_qdiscs(index=index)}
+def _ensure_clsact(rtnl: Rtnl, index: int, device: str) -> None:
+    kinds = rtnl.qdisc_kinds(index)
     if "clsact" in kinds:
         return
     if "ingress" in kinds:
@@ -126,56 +128,19 @@ def _ensure_clsact(ipr, index: int, device: str) -> None:
             f"`tc qdisc del dev {device} ingress`."
         )
     try:
-        ipr.tc("add", "clsact", index)
-    except Exception as err:
+        rtnl.add_clsact(index)
+    except NetlinkError as err:
         if getattr(err, "code", None) != errno.EEXIST:  # added meanwhile: fine
             raise _setup_error(device, "add a clsact qdisc", err) from err
 
 
-_TCA_BPF_NAME = 7
-_TCA_BPF_ID = 11
-
-
-@dataclass(frozen=True)
-class _Filter:
-    info: int  # priority << 16 | protocol
-    handle: int
-    prog_id: int
-
-
-def _bpf_options(message) -> dict[int, bytes]:
-    """A bpf filter's TCA_OPTIONS as {type: payload}, read from the raw attribute:
-    pyroute2 does not decode TCA_BPF_ID (the attached program's id)."""
-    options = message.get_attr("TCA_OPTIONS")
-    if options is None:
-        return {}
-    data, offset, end = options.data, options.offset + 4, options.offset + options.length
-    out = {}
-    while offset + 4 <= end:
-        length, kind = struct.unpack_from("=HH", data, offset)
-        if length < 4:
-            break
-        out[kind & 0x3FFF] = bytes(data[offset + 4 : offset + length])
-        offset += (length + 3) & ~3
-    return out
-
-
-def _kpr_filters(ipr, index: int, direction: Direction) -> list[_Filter]:
+def _kpr_filters(rtnl: Rtnl, index: int, direction: Direction) -> list[TcFilter]:
     """kpr's filters on one clsact hook: bpf filters named after kpr's function."""
-    found = []
-    for message in ipr.get_filters(index=index, parent=direction.parent):
-        if message.get_attr("TCA_KIND") != "bpf" or not message["handle"]:
-            continue
-        options = _bpf_options(message)
-        name = options.get(_TCA_BPF_NAME, b"").rstrip(b"\0").decode(errors="replace")
-        if name == direction.function:
-            prog_id = options.get(_TCA_BPF_ID, b"\0\0\0\0")[:4]
-            found.append(_Filter(message["info"], message["handle"], _u32(prog_id)))
-    return found
-
-
-def _u32(raw: bytes) -> int:
-    return struct.unpack("=I", raw.ljust(4, b"\0"))[0]
+    return [
+        found
+        for found in rtnl.filters(index, direction.parent)
+        if found.kind == "bpf" and found.handle and found.name == direction.function
+    ]
 
 
 def attach(pin_dir: Path, devices: Iterable[str]) -> None:
@@ -191,45 +156,34 @@ def attach(pin_dir: Path, devices: Iterable[str]) -> None:
                     f"kpr's TC program is not pinned at {prog_pin(pin_dir, direction)} ({err}): "
                     f"compile and pin it first (`kpr run` does), with the same --bpffs."
                 ) from err
-        with _ipr() as ipr:
+        with Rtnl() as rtnl:
             for device in devices:
-                index = _index(ipr, device)
-                _ensure_clsact(ipr, index, device)
+                index = _index(device)
+                _ensure_clsact(rtnl, index, device)
                 for direction in DIRECTIONS:
-                    _replace_filter(ipr, index, device, direction, fds[direction.name])
+                    _replace_filter(rtnl, index, device, direction, fds[direction.name])
     finally:
         for fd in fds.values():
             os.close(fd)
 
 
-def _replace_filter(ipr, index: int, device: str, direction: Direction, fd: int) -> None:
-    ours = ((PRIORITY << 16) | socket.htons(ETH_P_ALL), HANDLE)
+def _replace_filter(rtnl: Rtnl, index: int, device: str, direction: Direction, fd: int) -> None:
+    info = (PRIORITY << 16) | socket.htons(ETH_P_ALL)
     try:
-        ipr.tc(
-            "replace-filter",
-            "bpf",
-            index,
-            HANDLE,
-            fd=fd,
-            name=direction.function,
-            parent=direction.parent,
-            prio=PRIORITY,
-            protocol=ETH_P_ALL,
-            direct_action=True,
-        )
-    except Exception as err:
+        rtnl.replace_bpf_filter(index, direction.parent, info, HANDLE, fd, direction.function)
+    except NetlinkError as err:
         raise _setup_error(device, f"attach {direction.function} ({direction.name})", err) from err
     # kpr filters elsewhere (another priority: an older kpr) go once the new one is in
-    for found in _kpr_filters(ipr, index, direction):
-        if (found.info, found.handle) != ours:
-            _delete_filter(ipr, index, direction, found.info, found.handle)
+    for found in _kpr_filters(rtnl, index, direction):
+        if (found.info, found.handle) != (info, HANDLE):
+            _delete_filter(rtnl, index, direction, found.info, found.handle)
 
 
-def _delete_filter(ipr, index: int, direction: Direction, info: int, handle: int) -> bool:
+def _delete_filter(rtnl: Rtnl, index: int, direction: Direction, info: int, handle: int) -> bool:
     try:
-        ipr.tc("del-filter", "bpf", index, handle, parent=direction.parent, info=info)
-    except Exception as err:
-        if getattr(err, "code", None) in (errno.ENOENT, errno.EINVAL):
+        rtnl.delete_filter(index, direction.parent, info, handle)
+    except NetlinkError as err:
+        if err.code in (errno.ENOENT, errno.EINVAL):
             return False  # gone meanwhile
         raise
     return True
@@ -239,14 +193,14 @@ def detach(devices: Iterable[str]) -> int:
     """Remove kpr's filters (only those) from each device; returns how many. Devices
     that do not exist are skipped. The clsact qdisc stays: other tools may use it."""
     count = 0
-    with _ipr() as ipr:
+    with Rtnl() as rtnl:
         for device in devices:
-            found = ipr.link_lookup(ifname=device)
-            if not found:
+            index = _existing(device)
+            if index is None:
                 continue
             for direction in DIRECTIONS:
-                for f in _kpr_filters(ipr, found[0], direction):
-                    count += _delete_filter(ipr, found[0], direction, f.info, f.handle)
+                for f in _kpr_filters(rtnl, index, direction):
+                    count += _delete_filter(rtnl, index, direction, f.info, f.handle)
     return count
 
 
@@ -265,25 +219,29 @@ def attached(devices: Iterable[str], pin_dir: Path | None = None) -> dict[str, b
             finally:
                 os.close(fd)
     out = {}
-    with _ipr() as ipr:
+    with Rtnl() as rtnl:
         for device in devices:
-            found = ipr.link_lookup(ifname=device)
-            ok = bool(found)
-            for direction in DIRECTIONS if ok else []:
-                ids = [f.prog_id for f in _kpr_filters(ipr, found[0], direction)]
-                ok = ok and (bool(ids) if pin_dir is None else pinned[direction.name] in ids)
-            out[device] = ok
+            index = _existing(device)
+            out[device] = index is not None and all(
+                _runs(pinned.get(direction.name), _kpr_filters(rtnl, index, direction))
+                for direction in DIRECTIONS
+            )
     return out
+
+
+def _runs(prog_id: int | None, filters: list[TcFilter]) -> bool:
+    """Whether kpr's filters on a hook run program `prog_id` (None: any program)."""
+    return bool(filters) if prog_id is None else any(f.prog_id == prog_id for f in filters)
 
 
 def repin(pin_dir: Path, devices: Iterable[str]) -> list[str]:
     """Pin again the programs whose pins are gone, from kpr's filters on `devices`."""
     restored = []
-    with _ipr() as ipr:
-        indexes = [found[0] for device in devices if (found := ipr.link_lookup(ifname=device))]
+    with Rtnl() as rtnl:
+        indexes = [index for device in devices if (index := _existing(device)) is not None]
         for direction in DIRECTIONS:
             pin = prog_pin(pin_dir, direction)
-            ids = [f.prog_id for i in indexes for f in _kpr_filters(ipr, i, direction)]
+            ids = [f.prog_id for i in indexes for f in _kpr_filters(rtnl, i, direction)]
             if pin.exists() or not ids:
                 continue
             fd = bpfsys.prog_fd_by_id(ids[0])

@@ -28,6 +28,7 @@ from ipaddress import ip_address, ip_network
 
 from kpr.model import IPAddress
 from kpr.node.host import SetupError
+from kpr.node.rtnetlink import Rtnl
 
 log = logging.getLogger(__name__)
 
@@ -53,24 +54,21 @@ class Device:
 def read_devices() -> tuple[dict[str, Device], set[str]]:
     """Every link of this namespace with its global addresses; and the names of
     those the default routes leave through."""
-    from pyroute2 import IPRoute
-
-    with IPRoute() as ipr:
-        links = list(ipr.get_links())
-        names = {link["index"]: link.get_attr("IFLA_IFNAME") for link in links}
-        loopback = {link["index"] for link in links if link["flags"] & IFF_LOOPBACK}
+    with Rtnl() as rtnl:
+        links = rtnl.links()
+        names = {index: name for index, name, _ in links}
+        loopback = {index for index, _, flags in links if flags & IFF_LOOPBACK}
         addresses: dict[int, list[IPAddress]] = {index: [] for index in names}
-        for message in ipr.get_addr():
-            if message["scope"] != 0:  # RT_SCOPE_UNIVERSE only: not link-local, not host
+        for index, scope, packed in rtnl.addresses():
+            if scope != 0:  # RT_SCOPE_UNIVERSE only: not link-local, not host
                 continue
-            address = ip_address(message.get_attr("IFA_ADDRESS"))
-            addresses.setdefault(message["index"], []).append(address)
-        default = set()
-        for family in (2, 10):  # AF_INET, AF_INET6
-            for route in ipr.get_default_routes(family=family):
-                out = route.get_attr("RTA_OIF")
-                if out in names:
-                    default.add(names[out])
+            addresses.setdefault(index, []).append(ip_address(packed))
+        default = {
+            names[out]
+            for family in (socket.AF_INET, socket.AF_INET6)
+            for out in rtnl.default_route_devices(family)
+            if out in names
+        }
     devices = {
         name: Device(name, index, tuple(addresses.get(index, ())), index in loopback)
         for index, name in names.items()

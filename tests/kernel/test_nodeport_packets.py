@@ -12,6 +12,7 @@ from __future__ import annotations
 import ctypes as ct
 import errno
 import ipaddress
+import os
 import subprocess
 
 import pytest
@@ -921,7 +922,7 @@ def test_attach_without_pinned_programs_says_so(tmp_path):
     ],
 )
 def test_netlink_errors_become_setup_errors_naming_device_and_fix(code, fix):
-    from pyroute2.netlink.exceptions import NetlinkError
+    from kpr.node.rtnetlink import NetlinkError
 
-    err = tc._setup_error("eth7", "add a clsact qdisc", NetlinkError(code))
+    err = tc._setup_error("eth7", "add a clsact qdisc", NetlinkError(code, os.strerror(code)))
     assert "'eth7'" in str(err) and fix in str(err)
