@@ -114,6 +114,12 @@ def test_run_with_kube_proxys_configmap_lists_from_the_server_it_names(
         code, body = agent.get(agent.metrics, "/configz")
         shown = json.loads(body)["kubeproxy.config.k8s.io"]
         assert code == 200 and shown["clusterCIDR"] == "10.244.0.0/16"
+        # the agent runs in the process `kpr run` started (the same pid), as kpr/cli/serve.py:
+        # the command line's framework (typer, and pydantic with it) is not in its memory
+        assert agent.process is not None
+        pid = agent.process.pid
+        assert b"kpr.cli.serve" in Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        assert "pydantic_core" not in Path(f"/proc/{pid}/maps").read_text()
     finally:
         agent.kill()
         subprocess.run([*KPR, "cleanup", "--bpffs", str(pin_dir)], capture_output=True)
