@@ -35,6 +35,11 @@ def keeps(claimants: Iterable[ServiceName]) -> ServiceName:
     return min(claimants)
 
 
+# A Service's claims: each frontend it claims with its state there (None: held), in a
+# tuple (104 bytes for one frontend where a dict took 224: one per Service)
+Claims = tuple[tuple[Frontend, FrontendState | None], ...]
+
+
 def translate(
     services: Iterable[Service], slices: Iterable[EndpointSlice], node: NodeContext
 ) -> Translation:
@@ -51,7 +56,7 @@ class DesiredState:
     def __init__(self) -> None:
         self.translation = Translation()
         # each Service's own frontends: its state for each (None: held)
-        self._claims: dict[ServiceName, dict[Frontend, FrontendState | None]] = {}
+        self._claims: dict[ServiceName, Claims] = {}
         self._problems: dict[ServiceName, list[Problem]] = {}  # only Services with some
         self._rivals: dict[Frontend, set[ServiceName]] = {}  # contested frontends' claimants
         self._services: dict[ServiceName, Service] = {}  # to name a loser's port
@@ -109,9 +114,9 @@ class DesiredState:
         desired.local_endpoints.pop(key, None)
         self._problems.pop(key, None)
         self._services.pop(key, None)
-        claims = self._claims.pop(key, {})
+        frontends = [frontend for frontend, _ in self._claims.pop(key, ())]
         owners = desired.owners
-        for frontend in claims:
+        for frontend in frontends:
             rivals = self._rivals.get(frontend)
             if rivals is None:
                 del owners[frontend]
@@ -120,7 +125,7 @@ class DesiredState:
             owners[frontend] = keeps(rivals)  # (an owner is always a claimant)
             if len(rivals) == 1:
                 del self._rivals[frontend]
-        return claims
+        return frontends
 
     def _claim(self, key: ServiceName, translation: Translation) -> Iterable[Frontend]:
         """Record one Service's translation; the frontends it claims."""
@@ -128,7 +133,7 @@ class DesiredState:
         claims: dict[Frontend, FrontendState | None] = dict(translation.frontends)
         claims.update(dict.fromkeys(translation.held))
         if claims:
-            self._claims[key] = claims
+            self._claims[key] = tuple(claims.items())
         owners = desired.owners
         for frontend in claims:
             rivals = self._rivals.get(frontend)
@@ -157,7 +162,7 @@ class DesiredState:
             desired.held.discard(frontend)
             return
         desired.owners[frontend] = owner
-        state = self._claims[owner][frontend]
+        state = dict(self._claims[owner])[frontend]
         if state is None:
             desired.frontends.pop(frontend, None)
             desired.held.add(frontend)

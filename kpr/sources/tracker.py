@@ -42,8 +42,9 @@ def service_name(obj: KubeObject) -> ServiceName | None:
 class ChangeTracker:
     def __init__(self) -> None:
         self._tables: dict[str, dict[ObjectRef, KubeObject]] = {}
-        # Service → its slices, keyed by (table, slice)
-        self._slices_of: dict[ServiceName, dict[tuple[str, ObjectRef], EndpointSlice]] = {}
+        # Service → its slices, (table, ref, slice) each: a tuple (112 bytes for one slice
+        # where a dict keyed by (table, ref) took 280: one per Service)
+        self._slices_of: dict[ServiceName, tuple[tuple[str, ObjectRef, EndpointSlice], ...]] = {}
         self._changed: set[ServiceName] = set()
         self._everything = True  # nothing taken yet: the first take is the whole state
 
@@ -104,7 +105,7 @@ class ChangeTracker:
                 {
                     ref: version
                     for key in changed
-                    for (_, ref), version in self._slices_of.get(key, {}).items()
+                    for _, ref, version in self._slices_of.get(key, ())
                 }.values()
             )
         self._changed = set()
@@ -130,10 +131,10 @@ class ChangeTracker:
             key = service_name(version)
             if key is None:
                 continue
-            entries = self._slices_of.setdefault(key, {})
+            entries = [e for e in self._slices_of.get(key, ()) if e[0] != table or e[1] != ref]
             if present:
-                entries[(table, ref)] = version
+                entries.append((table, ref, version))
+            if entries:
+                self._slices_of[key] = tuple(entries)
             else:
-                entries.pop((table, ref), None)
-                if not entries:
-                    del self._slices_of[key]
+                self._slices_of.pop(key, None)
