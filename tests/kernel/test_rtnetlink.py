@@ -5,10 +5,8 @@ TC programs: tests/kernel/test_nodeport*.py.)"""
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import json
-import os
 import socket
 import subprocess
 import uuid
@@ -19,7 +17,7 @@ import pytest
 from kpr.node.devices import read_devices
 from kpr.node.rtnetlink import TC_H_CLSACT, NetlinkError, Rtnl
 from tests.support.kernel import skip_unless_kernel_ready
-from tests.support.tc_harness import setns
+from tests.support.tc_harness import inside
 
 SETUP = """
 ip link set lo up
@@ -50,21 +48,6 @@ def netns() -> Iterator[str]:
         yield name
     finally:
         subprocess.run(["ip", "netns", "del", name], check=False)
-
-
-@contextlib.contextmanager
-def inside(name: str) -> Iterator[None]:
-    home = os.open("/proc/thread-self/ns/net", os.O_RDONLY)
-    target = os.open(f"/run/netns/{name}", os.O_RDONLY)
-    try:
-        setns(target)
-        try:
-            yield
-        finally:
-            setns(home)
-    finally:
-        os.close(target)
-        os.close(home)
 
 
 def ip_json(name: str, *argv: str) -> list[dict]:

@@ -117,6 +117,22 @@ def setns(fd: int) -> None:
         raise OSError(code, f"setns: {os.strerror(code)}")
 
 
+@contextlib.contextmanager
+def inside(netns: str) -> Iterator[None]:
+    """Run the calling thread in network namespace `netns` (of `ip netns`) for a while."""
+    home = os.open("/proc/thread-self/ns/net", os.O_RDONLY)
+    target = os.open(f"/run/netns/{netns}", os.O_RDONLY)
+    try:
+        setns(target)
+        try:
+            yield
+        finally:
+            setns(home)
+    finally:
+        os.close(target)
+        os.close(home)
+
+
 def addr16(address: str) -> bytes:
     """An address as kpr's flow keys hold it: 16 bytes, IPv4 in the first 4."""
     return ipaddress.ip_address(address).packed.ljust(16, b"\0")
@@ -200,20 +216,9 @@ class Lab:
         subprocess.run(["ip", "netns", "del", self.netns], check=False, capture_output=True)
         shutil.rmtree(self.pin_dir, ignore_errors=True)
 
-    @contextlib.contextmanager
-    def inside(self) -> Iterator[None]:
+    def inside(self) -> contextlib.AbstractContextManager[None]:
         """Run the calling thread in the lab's namespace for a while."""
-        home = os.open("/proc/thread-self/ns/net", os.O_RDONLY)
-        target = os.open(f"/run/netns/{self.netns}", os.O_RDONLY)
-        try:
-            setns(target)
-            try:
-                yield
-            finally:
-                setns(home)
-        finally:
-            os.close(target)
-            os.close(home)
+        return inside(self.netns)
 
     # --- running the programs ---
 
