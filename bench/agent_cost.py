@@ -3,11 +3,12 @@
     python -m bench.agent_cost --services 1000,10000,30000,100000 \\
         --json docs/results/agent-cost.json --resume
 
-For each size, N Services x M endpoints are created in the test API server (a list/watch
-server of our own: the real kube-apiserver cannot be filled to 100,000 Services in the
-time a run has), and `kpr run` starts on it with default settings (sync period 30 s, min
-sync period 1 s; --max-services the smallest power of two from 65,536 that holds N), in a
-child cgroup and a pin directory of its own. Measured:
+For each size, N Services x M endpoints (each with its nodeName and zone, as a real
+cluster's EndpointSlices have them: 1,000 nodes, 3 zones) are created in the test API
+server (a list/watch server of our own: the real kube-apiserver cannot be filled to 100,000
+Services in the time a run has), and `kpr run` starts on it with default settings (sync
+period 30 s, min sync period 1 s; --max-services the smallest power of two from 65,536 that
+holds N), in a child cgroup and a pin directory of its own. Measured:
   - start: process start to every Service programmed (BCC compile included), and the
     list complete to every Service programmed (the agent records both), and the agent's
     own CPU seconds until then;
@@ -92,7 +93,7 @@ def free_port() -> int:
 def measure(services: int, endpoints: int, idle: float, changes: int, interval: float) -> dict:
     port = free_port()
     with TestApiServer(bookmark_interval=5.0, history_size=changes * 4 + 100) as api:
-        populate(api, services, endpoints)
+        populate(api, services, endpoints, placed=True)
         started = time.time()
         options = ["--max-services", str(max_services(services)), "--log-level", "info",
                    "--metrics-bind-address", f"127.0.0.1:{port}"]  # fmt: skip
@@ -109,7 +110,9 @@ def measure(services: int, endpoints: int, idle: float, changes: int, interval: 
             # the changes first, then the idle time
             maps = BpfMaps(pin_dir)
             try:
-                latencies = endpoint_changes(api, maps, services, endpoints, changes, interval)
+                latencies = endpoint_changes(
+                    api, maps, services, endpoints, changes, interval, placed=True
+                )
             finally:
                 maps.close()
             # idle from the end of a periodic full sync after them: their one-offs over
@@ -150,7 +153,7 @@ def churn(services: int, endpoints: int, seconds: float, warm_up: float) -> dict
     """One endpoint change a second for `seconds`; the agent's RSS every minute."""
     minutes = max(1, int(seconds // 60))
     with TestApiServer(bookmark_interval=5.0, history_size=500) as api:
-        populate(api, services, endpoints)
+        populate(api, services, endpoints, placed=True)
         with running_agent(api, "--max-services", str(max_services(services))) as (agent, pin):
             runstate.wait_synced(pin, agent, timeout=1200)
             maps = BpfMaps(pin)
@@ -160,7 +163,7 @@ def churn(services: int, endpoints: int, seconds: float, warm_up: float) -> dict
             try:
                 for minute in range(minutes):
                     latencies += endpoint_changes(
-                        api, maps, services, endpoints, 60, 1.0, made=60 * minute
+                        api, maps, services, endpoints, 60, 1.0, made=60 * minute, placed=True
                     )
                     samples.append((time.monotonic() - began, rss_mb(agent.pid)))
                     print(

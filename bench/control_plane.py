@@ -41,12 +41,13 @@ VIP_BASE = IPv4Address("10.96.0.16")
 ENDPOINT_BASE = IPv4Address("10.128.0.0")
 
 
-def populate(api: TestApiServer, services: int, endpoints: int) -> None:
+def populate(api: TestApiServer, services: int, endpoints: int, placed: bool = False) -> None:
+    """N Services × M endpoints (`placed`: with their nodeName and zone)."""
     for i in range(services):
         name = f"svc-{i}"
         api.create(bench_service(name, str(VIP_BASE + i)))
         addresses = [str(ENDPOINT_BASE + i * endpoints + j) for j in range(endpoints)]
-        api.create(bench_endpoint_slice(name, addresses))
+        api.create(bench_endpoint_slice(name, addresses, placed))
 
 
 def backends_of(maps: BpfMaps, vip: str) -> set[str]:
@@ -109,6 +110,7 @@ def endpoint_changes(
     count: int,
     interval: float,
     made: int = 0,
+    placed: bool = False,
 ) -> list[float]:
     """`count` changes, each one endpoint of a random Service replaced by a new address
     (`made`: how many changes earlier calls made, whose addresses are not reused),
@@ -123,7 +125,7 @@ def endpoint_changes(
         new = str(next_address)
         next_address += 1
         began = time.perf_counter()
-        api.update(bench_endpoint_slice(f"svc-{i}", current[1:] + [new]))
+        api.update(bench_endpoint_slice(f"svc-{i}", current[1:] + [new], placed))
         deadline = began + 10
         while new not in backends_of(maps, vip):
             if time.perf_counter() > deadline:

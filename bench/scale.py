@@ -18,7 +18,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from ipaddress import IPv4Address
+from ipaddress import IPv4Address, ip_address
 from pathlib import Path
 
 import yaml
@@ -51,8 +51,19 @@ def bench_service(name: str, vip: str) -> dict:
     }
 
 
-def bench_endpoint_slice(service: str, addresses: list[str]) -> dict:
-    """The one EndpointSlice of bench/<service>: ready endpoints on port 8080."""
+NODES, ZONES = 1000, 3  # where `placed` endpoints run
+
+
+def placement(address: str) -> dict:
+    """nodeName and zone of the endpoint at `address`, as the EndpointSlice controller
+    writes them: spread over NODES nodes in ZONES zones, by the address."""
+    n = int(ip_address(address))
+    return {"nodeName": f"node-{n % NODES}", "zone": f"zone-{n % ZONES}"}
+
+
+def bench_endpoint_slice(service: str, addresses: list[str], placed: bool = False) -> dict:
+    """The one EndpointSlice of bench/<service>: ready endpoints on port 8080 (`placed`:
+    each with its nodeName and zone, as a real cluster's slices have them)."""
     return {
         "apiVersion": "discovery.k8s.io/v1",
         "kind": "EndpointSlice",
@@ -63,7 +74,10 @@ def bench_endpoint_slice(service: str, addresses: list[str]) -> dict:
         },
         "addressType": "IPv4",
         "ports": [{"name": "http", "port": 8080, "protocol": "TCP"}],
-        "endpoints": [{"addresses": [a], "conditions": {"ready": True}} for a in addresses],
+        "endpoints": [
+            {"addresses": [a], "conditions": {"ready": True}, **(placement(a) if placed else {})}
+            for a in addresses
+        ],
     }
 
 
