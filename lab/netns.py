@@ -40,6 +40,7 @@ from typing import IO
 from kpr.node.host import cgroup2_root, process_alive
 
 FIRST_POD_HOST = 11
+BRIDGE_MAC = "02:6b:70:72:00:01"  # each node's br0 (locally administered: "kpr")
 READY_TIMEOUT_S = 10.0
 SERVER_STOP_TIMEOUT_S = 2.0
 CGROUP_DRAIN_TIMEOUT_S = 5.0
@@ -194,7 +195,10 @@ class Lab:
             [
                 "link set lo up",
                 # No snooping: ND multicast must reach every port without an MLD querier.
-                "link add br0 type bridge mcast_snooping 0",
+                # A MAC of its own: a bridge otherwise takes its lowest port's, which changes
+                # when a pod is added, and the pods' neighbour entries for the gateway go stale
+                # (IPv6 to other nodes failed for seconds after a test added a pod).
+                f"link add br0 address {BRIDGE_MAC} type bridge mcast_snooping 0",
                 f"addr add {self.node_ipv4}/{self.ipv4_net.prefixlen} dev br0",
                 f"addr add {self.node_ipv6}/{self.ipv6_net.prefixlen} dev br0 nodad",
                 "link set br0 up",
