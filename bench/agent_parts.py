@@ -39,24 +39,35 @@ MODULES = [
     "kpr.agent.loop",
     "kpr.sources.kubernetes",
 ]
+# what the agent's process no longer imports (`kpr run`'s typer execs kpr.cli.serve; kpr's own
+# rtnetlink in place of pyroute2): what each would add on top of MODULES
+LEFT_OUT = [
+    "typer.main, typer._adapters (the command line's framework, pydantic and rich with it)",
+    "pyroute2 (in place of kpr.node.rtnetlink)",
+]
 RSS = "int(open('/proc/self/statm').read().split()[1]) * 4096"
+
+
+def _rss_mb(modules: list[str]) -> float:
+    code = "".join(f"import {m}\n" for m in modules) + f"print({RSS})"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    return int(done.stdout) / 2**20
 
 
 def module_rss() -> list[tuple[str, float]]:
     """MB of RSS each module adds to those before it."""
-    out = []
-    before = 0.0
-    for i, name in enumerate(["", *MODULES]):
-        imports = "".join(f"import {m}\n" for m in MODULES[:i])
-        code = f"{imports}print({RSS})"
-        rss = int(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                                 check=True).stdout) / 2**20  # fmt: skip
-        if name:
-            out.append((name, rss - before))
-        else:
-            out.append(("(the interpreter)", rss))
-        before = rss
+    out = [("(the interpreter)", _rss_mb([]))]
+    for i, name in enumerate(MODULES):
+        out.append((name, _rss_mb(MODULES[: i + 1]) - _rss_mb(MODULES[:i])))
     return out
+
+
+def left_out_rss() -> list[tuple[str, float]]:
+    """MB of RSS each of LEFT_OUT would add to the agent's modules."""
+    base = _rss_mb(MODULES)
+    return [
+        (what, _rss_mb([*MODULES, *what.split(" (")[0].split(", ")]) - base) for what in LEFT_OUT
+    ]
 
 
 def record_bytes() -> dict[str, int]:
@@ -107,6 +118,9 @@ def main() -> None:
     args = parser.parse_args()
     print("RSS each module adds, MB:")
     for name, mb in module_rss():
+        print(f"  {mb:6.1f}  {name}")
+    print("RSS what the agent no longer imports would add, MB:")
+    for name, mb in left_out_rss():
         print(f"  {mb:6.1f}  {name}")
     print("bytes a record takes:")
     for name, size in record_bytes().items():

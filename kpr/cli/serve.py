@@ -1,6 +1,7 @@
 """The agent's process: `kpr run` parses its flags, then replaces itself (execv, the same pid)
 with `python -m kpr.cli.serve OPTIONS_JSON`, so the agent does not carry the command line's
-framework (typer, click, rich, pydantic: 12 MB of every node's memory) for as long as it runs.
+framework (typer, click, rich, pydantic: 7 MB of every node's memory, bench.agent_parts) for
+as long as it runs.
 Nothing here imports them (pyproject's import contracts)."""
 
 from __future__ import annotations

@@ -1,6 +1,13 @@
 """bench.agent_parts: the figures docs/benchmarks.md quotes come out of it."""
 
-from bench.agent_parts import MODULES, module_rss, parse_and_translate, record_bytes
+from bench.agent_parts import (
+    LEFT_OUT,
+    MODULES,
+    left_out_rss,
+    module_rss,
+    parse_and_translate,
+    record_bytes,
+)
 
 
 def test_it_prints_each_module_a_record_size_and_a_time_per_service() -> None:
@@ -8,6 +15,8 @@ def test_it_prints_each_module_a_record_size_and_a_time_per_service() -> None:
     assert [name for name, _ in rss] == ["(the interpreter)", *MODULES]
     added = dict(rss)
     assert added["(the interpreter)"] > 1 and added["numpy"] > 1  # (small ones vary by pages)
+    left_out = dict(left_out_rss())  # the framework and the netlink library cost something
+    assert list(left_out) == LEFT_OUT and all(mb > 1 for mb in left_out.values())
     sizes = record_bytes()
     assert 0 < sizes["Backend"] < sizes["an IPv4Address (what a backend held before)"]
     assert 0 < sizes["packed endpoint (a slice of 10, with node names)"] < 64
