@@ -23,7 +23,7 @@ from kpr.datapath.maps import Maps, execute
 from kpr.datapath.plan import ProgrammedState, apply_plan, plan
 from kpr.desired.drift import drift as find_drift
 from kpr.desired.drift import entries
-from kpr.model import Backend, Frontend, ServiceName, Translation, by_key
+from kpr.model import Frontend, ServiceName, Translation, by_key
 
 log = logging.getLogger("kpr")
 
@@ -142,7 +142,7 @@ class Programmer:
             v6 = sum(isinstance(f.address, IPv6Address) for f in frontends)
             used[f"{name}4"] = len(frontends) - v6
             used[f"{name}6"] = v6
-        v6 = Backend.count_v6(programmed.backends.values())
+        v6 = programmed.backends.count_v6()
         used["backends4"] = len(programmed.backends) - v6
         used["backends6"] = v6
         used["slots"] = programmed.slot_count + len(programmed.stray_slots)

@@ -100,7 +100,7 @@ def used(programmed: ProgrammedState, exact: bool = True) -> dict[str, int]:
     if exact:
         for frontend in programmed.services:
             out["services" + _family(frontend)] += 1
-        v6 = Backend.count_v6(programmed.backends.values())
+        v6 = programmed.backends.count_v6()
         out["backends4"] += len(programmed.backends) - v6
         out["backends6"] += v6
         for frontend in programmed.revnat.values():
@@ -221,8 +221,9 @@ def _total(
             out["slots"] += max(0, added)
             old = programmed.source_ranges.get(current.service_id, frozenset())
             out["source_ranges"] += len(set(state.source_ranges) - old)
-    backends = set().union(*(desired[f].backends for f in frontends))
-    backends.difference_update(programmed.backend_index)
+    wanted = list(set().union(*(desired[f].backends for f in frontends)))
+    held = programmed.backends.ids_of(wanted)
+    backends = [b for b, bid in zip(wanted, held, strict=True) if not bid]
     b6 = Backend.count_v6(backends)
     out["backends4"] += len(backends) - b6
     out["backends6"] += b6

@@ -23,9 +23,13 @@ from __future__ import annotations
 
 import bisect
 from collections import Counter
-from collections.abc import Iterable, Iterator, Mapping, MutableMapping
+from collections.abc import Iterable, Iterator, Mapping, MutableMapping, Sequence
 from dataclasses import dataclass, field
+from functools import partial
+from itertools import repeat
 from typing import NamedTuple
+
+import numpy as np
 
 from kpr.datapath import abi
 from kpr.model import Backend, Frontend, FrontendState, IPNetwork, Translation, by_key
@@ -34,6 +38,13 @@ SourceRange = tuple[int, IPNetwork]  # (service id, allowed source network)
 SlotRef = tuple[int, int]  # (service id, slot): a kpr_slots key
 
 UNBOUNDED = 1 << 32  # no service id is past the slot block array (in-memory maps)
+
+_V6_VALUES = 1 << 64  # a `Backend` this large is IPv6 (an IPv4 one is 48 bits)
+_backend = partial(int.__new__, Backend)  # the Backend of a value (in C)
+_NONE = _backend(0)  # no backend has this value (0.0.0.0:0)
+# BackendTable sorts its copy again once this many backends were added or deleted since
+# (and at least an eighth of it): about 70 ms for a million
+SORT_AFTER = 4096
 
 
 def in_block(service_id: int, count: int, block_capacity: int) -> bool:
@@ -55,70 +66,173 @@ def flags_of(state: FrontendState) -> int:
 
 
 class BackendTable(MutableMapping[int, Backend]):
-    """The backends by id, as a mapping: a list indexed by id (the ids are dense: new
-    backends take the free ids first), 8 bytes a backend where a dict took about 50."""
+    """The backends by id, and each backend's id: what kpr_backends4/6 hold, both ways.
 
-    __slots__ = ("_by_id", "_count")
+    A million at 100,000 Services, so not as objects: the ids are dense (new backends take
+    the free ids first), and an IPv4 backend's value (a `Backend`, 48 bits) is kept in an
+    array indexed by id and found by value in a sorted copy (a binary search): 20 bytes a
+    backend where a list, a dict, and their Backend and id objects took about 130. Those
+    added since the copy was sorted are found in a small dict until the next sort. IPv6
+    backends (values past 64 bits) are kept in dicts."""
+
+    __slots__ = ("_v4", "_v6", "_v6_ids", "_count", "_sorted", "_sorted_ids", "_recent", "_stale")
 
     def __init__(self, backends: Mapping[int, Backend] | None = None) -> None:
-        self._by_id: list[Backend | None] = []
+        self._v4 = np.zeros(1, np.uint64)  # by id; 0: none (or an IPv6 one)
+        self._v6: dict[int, Backend] = {}
+        self._v6_ids: dict[Backend, int] = {}
         self._count = 0
+        self._sorted = np.zeros(0, np.uint64)  # the IPv4 values, sorted
+        self._sorted_ids = np.zeros(0, np.uint32)  # and their ids
+        self._recent: dict[int, int] = {}  # IPv4 value -> id, set since the sort
+        self._stale = 0  # sorted entries deleted or replaced since
         if backends:
             self.update(backends)
 
+    # --- by id
+
     def __getitem__(self, bid: int) -> Backend:
-        backend = self._by_id[bid] if 0 <= bid < len(self._by_id) else None
-        if backend is None:
-            raise KeyError(bid)
-        return backend
+        if 0 < bid < len(self._v4):
+            value = int(self._v4[bid])
+            if value:
+                return _backend(value)
+        return self._v6[bid]
 
     def get(self, bid: int, default: Backend | None = None) -> Backend | None:  # type: ignore[override]
-        backend = self._by_id[bid] if 0 <= bid < len(self._by_id) else None
-        return default if backend is None else backend
+        try:
+            return self[bid]
+        except (KeyError, TypeError):
+            return default
 
     def __contains__(self, bid: object) -> bool:
-        return isinstance(bid, int) and 0 <= bid < len(self._by_id) and self._by_id[bid] is not None
+        return self.get(bid) is not None  # type: ignore[arg-type]
 
     def __setitem__(self, bid: int, backend: Backend) -> None:
-        if bid < 0:
-            raise KeyError(bid)
-        self._grow(bid)
-        self._count += self._by_id[bid] is None
-        self._by_id[bid] = backend
+        self.update({bid: backend})
 
     def update(self, backends: Mapping[int, Backend]) -> None:  # type: ignore[override]
-        """(As dict.update, a loop with no call per backend: a first sync adds a million.)"""
+        """(As dict.update, in a few array operations: a first sync adds a million.)"""
         if not backends:
             return
-        self._grow(max(backends))
-        by_id = self._by_id
-        self._count += sum(by_id[bid] is None for bid in backends)
-        for bid, backend in backends.items():
-            by_id[bid] = backend
+        if min(backends) <= 0:
+            raise KeyError(min(backends))
+        for bid in self._replaced(backends):
+            del self[bid]  # (rare: drift read back)
+        v4 = backends
+        if Backend.count_v6(backends.values()):
+            v4 = {bid: b for bid, b in backends.items() if b < _V6_VALUES}
+            for bid, backend in backends.items():
+                if backend >= _V6_VALUES:
+                    self._v6[bid] = backend
+                    self._v6_ids[backend] = bid
+        self._count += len(backends)
+        if not v4:
+            return
+        ids = np.fromiter(v4.keys(), np.int64, len(v4))
+        top = int(ids.max())
+        if top >= len(self._v4):
+            grown = np.zeros(max(top + 1, len(self._v4) * 5 // 4), np.uint64)
+            grown[: len(self._v4)] = self._v4
+            self._v4 = grown
+        self._v4[ids] = np.fromiter(v4.values(), np.uint64, len(v4))
+        if len(self._recent) + len(v4) + self._stale > max(SORT_AFTER, len(self._sorted) // 8):
+            self._sort()
+        else:
+            self._recent.update(zip(v4.values(), v4.keys(), strict=True))
 
-    def _grow(self, bid: int) -> None:
-        if bid >= len(self._by_id):
-            self._by_id.extend([None] * (bid + 1 - len(self._by_id)))
+    def _replaced(self, backends: Mapping[int, Backend]) -> list[int]:
+        """The ids of `backends` that have a backend now."""
+        ids = np.fromiter(backends.keys(), np.int64, len(backends))
+        ids = ids[ids < len(self._v4)]
+        return ids[self._v4[ids] != 0].tolist() + list(self._v6.keys() & backends.keys())
 
     def __delitem__(self, bid: int) -> None:
-        self[bid]  # (KeyError when absent)
-        self._by_id[bid] = None
+        if 0 < bid < len(self._v4) and self._v4[bid]:
+            value = int(self._v4[bid])
+            self._v4[bid] = 0
+            if self._recent.get(value) == bid:
+                del self._recent[value]
+            else:
+                self._stale += 1
+        else:
+            backend = self._v6.pop(bid)
+            if self._v6_ids.get(backend) == bid:
+                del self._v6_ids[backend]
         self._count -= 1
 
     def __iter__(self) -> Iterator[int]:
-        return (bid for bid, backend in enumerate(self._by_id) if backend is not None)
+        return iter(self.ids())
 
     def __len__(self) -> int:
         return self._count
 
+    def ids(self) -> list[int]:
+        """The ids in use, in order."""
+        ids = np.flatnonzero(self._v4).tolist()
+        return sorted(ids + list(self._v6)) if self._v6 else ids
+
+    def max_id(self) -> int:
+        ids = np.flatnonzero(self._v4)
+        return max(int(ids[-1]) if len(ids) else 0, *self._v6, 0)
+
+    def free_ids(self, below: int) -> list[int]:
+        """The ids from 1 to `below` (excluded) that no backend has, in order."""
+        used = np.zeros(max(below, 1), bool)
+        n = min(below, len(self._v4))
+        used[:n] = self._v4[:n] != 0
+        used[np.array([bid for bid in self._v6 if bid < below], np.int64)] = True
+        return (np.flatnonzero(~used[1:]) + 1).tolist()
+
     def values(self) -> list[Backend]:  # type: ignore[override]
-        return [backend for backend in self._by_id if backend is not None]
+        return [backend for _, backend in self.items()]
 
     def items(self) -> list[tuple[int, Backend]]:  # type: ignore[override]
-        return [(bid, b) for bid, b in enumerate(self._by_id) if b is not None]
+        ids = np.flatnonzero(self._v4)
+        pairs = list(zip(ids.tolist(), map(_backend, self._v4[ids].tolist()), strict=True))
+        return sorted(pairs + list(self._v6.items())) if self._v6 else pairs
+
+    def count_v6(self) -> int:
+        return len(self._v6)
 
     def __repr__(self) -> str:
         return f"BackendTable({dict(self.items())!r})"
+
+    # --- by backend
+
+    def id_of(self, backend: Backend) -> int | None:
+        """The id of `backend`; None: none."""
+        return self.ids_of([backend])[0] or None
+
+    def ids_of(self, backends: Sequence[Backend]) -> list[int]:
+        """The id of each of `backends` (0: none), in one binary search for them all."""
+        if not backends or not self._count:
+            return [0] * len(backends)
+        if Backend.count_v6(backends):
+            v6 = self._v6_ids
+            ids = self.ids_of([b if b < _V6_VALUES else _NONE for b in backends])
+            pairs = zip(backends, ids, strict=True)
+            return [v6.get(b, 0) if b >= _V6_VALUES else bid for b, bid in pairs]
+        values = np.fromiter(backends, np.uint64, len(backends))
+        if self._recent and len(self._recent) < len(backends):
+            self._sort()  # (the dict walked for each value would cost more)
+        found = np.zeros(len(values), np.int64)
+        if len(self._sorted):
+            at = np.minimum(np.searchsorted(self._sorted, values), len(self._sorted) - 1)
+            found = np.where(self._sorted[at] == values, self._sorted_ids[at], 0)
+            found[self._v4[found] != values] = 0  # (deleted or replaced since the sort)
+        out = found.tolist()
+        if self._recent:
+            recent = self._recent
+            for i in np.flatnonzero(found == 0).tolist():
+                out[i] = recent.get(backends[i], 0)
+        return out
+
+    def _sort(self) -> None:
+        ids = np.flatnonzero(self._v4)
+        values = self._v4[ids]
+        order = np.argsort(values, kind="stable")  # (equal values: the lowest id first)
+        self._sorted, self._sorted_ids = values[order], ids[order].astype(np.uint32)
+        self._recent, self._stale = {}, 0
 
 
 class RefCounts:
@@ -175,7 +289,6 @@ class ProgrammedState:
     stray_slots: set[SlotRef] = field(default_factory=set)
     block_capacity: int = UNBOUNDED  # entries of the slot block array (`in_block`)
     # indexes, so a plan for a few frontends costs nothing per other frontend
-    backend_index: dict[Backend, int] = field(default_factory=dict)
     refs: RefCounts = field(default_factory=RefCounts)  # slots naming each backend
     slot_count: int = 0  # kpr_slots entries of all frontends (`slot_entries`, without a walk)
     max_backend_id: int = 0
@@ -196,17 +309,16 @@ class ProgrammedState:
         )
 
     def reindex(self) -> ProgrammedState:
-        self.backend_index = {backend: bid for bid, backend in self.backends.items()}
         self.refs = RefCounts(b for s in self.services.values() for b in s.slots)
         self.slot_count = sum(slot_entries(len(s.slots)) for s in self.services.values())
-        self.max_backend_id = max(self.backends, default=0)
+        self.max_backend_id = self.backends.max_id()
         ids = self.service_ids_in_use()
         self.max_service_id = max(ids, default=0)
         # (bounded: a map written by hand may hold any id, and a few free ones suffice)
         below = min(self.max_service_id, len(ids) + 65536)
         self.free_service_ids = [i for i in range(1, below) if i not in ids]
         below = min(self.max_backend_id, len(self.backends) + 65536)
-        self.free_backend_ids = [i for i in range(1, below) if i not in self.backends]
+        self.free_backend_ids = self.backends.free_ids(below)
         return self
 
 
@@ -247,8 +359,6 @@ class Plan:
     old_counts: dict[int, int] = field(default_factory=dict)
     # each planned frontend as the maps hold it once the plan is written (not a write)
     after: dict[Frontend, ProgrammedService] = field(default_factory=dict)
-    # the new backends' ids, for the backend index (not a write: backend_writes are)
-    backend_ids: dict[Backend, int] = field(default_factory=dict)
     # how many of ProgrammedState.free_service_ids the new frontends took (not a write)
     reused_service_ids: int = 0
     # and of free_backend_ids, the new backends
@@ -265,7 +375,6 @@ class Plan:
             "service_ids",
             "old_counts",
             "after",
-            "backend_ids",
             "reused_service_ids",
             "reused_backend_ids",
         )
@@ -348,14 +457,18 @@ def plan(
     added: list[int] = []
     removed: list[int] = []
 
-    known = programmed.backend_index
     block_capacity = programmed.block_capacity
-    for frontend in sorted(wanted_frontends, key=by_key):
+    frontends = sorted(wanted_frontends, key=by_key)
+    # the ids of the backends the maps hold, looked up all at once (0: a new backend)
+    known: Iterator[int] = repeat(0)  # (nothing held: a first sync, every backend is new)
+    if programmed.backends:
+        known = iter(
+            programmed.backends.ids_of([b for f in frontends for b in desired[f].backends])
+        )
+    for frontend in frontends:
         state = desired[frontend]
-        wanted = [  # (ids start at 1; nothing known: a first sync, every backend is new)
-            (known and known.get(b))
-            or new_backends.get(b)
-            or new_backends.setdefault(b, new_backend_id())
+        wanted = [  # (ids start at 1)
+            next(known) or new_backends.get(b) or new_backends.setdefault(b, new_backend_id())
             for b in state.backends
         ]
         current = programmed.services.get(frontend)
@@ -426,7 +539,6 @@ def plan(
             (current.service_id, n) for n in programmed.source_ranges.get(current.service_id, ())
         )
 
-    out.backend_ids = new_backends
     out.reused_backend_ids = min(len(new_backends), len(free_backend_ids))
     out.backend_writes = dict(zip(new_backends.values(), new_backends, strict=True))
     refs = Counter(added)  # change in the number of slots naming each backend
@@ -491,7 +603,6 @@ def _place_slots(
 def apply_plan(programmed: ProgrammedState, steps: Plan) -> None:
     """Update the in-memory picture of the maps as if all of `steps` were written."""
     programmed.backends.update(steps.backend_writes)
-    programmed.backend_index.update(steps.backend_ids)  # (a dict keeps the keys' hashes)
     programmed.max_backend_id = max(programmed.max_backend_id, *steps.backend_writes, 0)
     added: list[int] = []
     removed: list[int] = []
@@ -535,8 +646,6 @@ def apply_plan(programmed: ProgrammedState, steps: Plan) -> None:
                 bisect.insort(programmed.free_service_ids, sid)
     for bid in steps.backend_deletes:
         backend = programmed.backends.pop(bid, None)
-        if backend is not None:
-            programmed.backend_index.pop(backend, None)
-            if bid <= programmed.max_backend_id:
-                bisect.insort(programmed.free_backend_ids, bid)
+        if backend is not None and bid <= programmed.max_backend_id:
+            bisect.insort(programmed.free_backend_ids, bid)
         programmed.refs.forget(bid)

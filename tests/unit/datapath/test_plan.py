@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 from ipaddress import ip_address, ip_network
+from unittest import mock
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from kpr.datapath import abi
+from kpr.datapath import plan as plan_module
 from kpr.datapath.maps import MemoryMaps, WriteResult, consistent, execute
 from kpr.datapath.plan import BackendTable, RefCounts, apply_plan, assign_slots, plan
 from kpr.model import Backend, Frontend, FrontendState, Translation
@@ -404,6 +406,60 @@ def test_backend_table_is_a_mapping_by_id() -> None:
     assert table.values() == [be(3)] and table == {3: be(3)} and max(table) == 3
     with pytest.raises(KeyError):
         del table[7]
+    with pytest.raises(KeyError):
+        table[0] = be(1)  # (ids start at 1)
+
+
+def be4(n: int) -> Backend:
+    return Backend(ip_address(0x0AF40000 + n), 8080)
+
+
+def be6(n: int) -> Backend:
+    return Backend(ip_address(f"fd00::{n:x}"), 80)
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    st.lists(
+        st.tuples(st.sampled_from(["set", "del"]), st.integers(1, 140), st.integers(0, 60)),
+        max_size=60,
+    ),
+    st.integers(0, 40),
+    st.sampled_from([8, 4096]),
+)
+@example(ops=[("del", 120, 0)], bulk=30, sort_after=8)  # deleted from the sorted copy
+@example(ops=[("set", 120, 1)], bulk=30, sort_after=8)  # replaced there
+@example(ops=[("set", i, i) for i in range(1, 20)] + [("del", 5, 0)], bulk=0, sort_after=8)
+def test_backend_table_finds_each_backend_as_a_dict_would(
+    ops: list, bulk: int, sort_after: int
+) -> None:
+    """Both ways, both families, through its sorted copy, the dict of those added since
+    and the entries deleted or replaced since: ids_of answers as a dict backend -> id."""
+    with mock.patch.object(plan_module, "SORT_AFTER", sort_after):
+        table = BackendTable({i: be4(i) for i in range(100, 100 + bulk)})
+        want = {i: be4(i) for i in range(100, 100 + bulk)}
+        _apply(table, want, ops)
+    assert dict(table.items()) == want and len(table) == len(want) and list(table) == sorted(want)
+    probes = [be4(n + 100_000) for n in range(61)] + [be6(n) for n in range(61)]
+    probes += [be4(i) for i in range(100, 141)]
+    index = {b: bid for bid, b in want.items()}
+    assert table.ids_of(probes) == [index.get(b, 0) for b in probes]
+    assert [table.id_of(b) for b in probes] == [index.get(b) for b in probes]
+    assert table.count_v6() == sum(b.family == 6 for b in want.values())
+    top = max(want, default=0)
+    assert table.max_id() == top
+    assert table.free_ids(top + 3) == [i for i in range(1, top + 3) if i not in want]
+
+
+def _apply(table: BackendTable, want: dict[int, Backend], ops: list) -> None:
+    for op, bid, n in ops:
+        backend = be6(n) if n % 3 == 0 else be4(n + 100_000)
+        if op == "set" and backend not in want.values():  # (one id a backend, as kpr gives)
+            table[bid] = backend
+            want[bid] = backend
+        elif op == "del" and bid in want:
+            del table[bid]
+            del want[bid]
 
 
 def test_ref_counts_count_each_id_and_forget() -> None:
