@@ -112,7 +112,7 @@ def used(programmed: ProgrammedState, exact: bool = True) -> dict[str, int]:
             out["revnat" + family] = len(programmed.revnat)
     out["service_ids"] = programmed.max_service_id + 1
     out["backend_ids"] = programmed.max_backend_id + 1
-    out["slots"] = sum(slot_entries(len(s.slots)) for s in programmed.services.values())
+    out["slots"] = sum(slot_entries(s.count) for s in programmed.services.values())
     out["slots"] += len(programmed.stray_slots)
     out["source_ranges"] = sum(len(n) for n in programmed.source_ranges.values())
     return out
@@ -217,7 +217,7 @@ def _total(
             out["slots"] += slot_entries(len(state.backends))
             out["source_ranges"] += len(state.source_ranges)
         else:
-            added = slot_entries(len(state.backends)) - slot_entries(len(current.slots))
+            added = slot_entries(len(state.backends)) - slot_entries(current.count)
             out["slots"] += max(0, added)
             old = programmed.source_ranges.get(current.service_id, frozenset())
             out["source_ranges"] += len(set(state.source_ranges) - old)
