@@ -106,6 +106,14 @@ _READY, _SERVING, _TERMINATING = 1, 2, 4  # an endpoint's conditions, as `Endpoi
 _CONDITIONS = tuple(  # each packed value's three booleans
     (bool(c & _READY), bool(c & _SERVING), bool(c & _TERMINATING)) for c in range(8)
 )
+Hints = tuple[tuple[str, ...] | None, tuple[str, ...] | None]  # (forNodes, forZones)
+_NOWHERE: tuple[None, None] = (None, None)  # an endpoint's (nodeName, zone), unset
+NO_HINTS: Hints = (None, None)
+
+
+def conditions_of(ready: bool, serving: bool, terminating: bool) -> int:
+    """An endpoint's conditions, as `Endpoints` packs them (one byte)."""
+    return ready * _READY | serving * _SERVING | terminating * _TERMINATING
 
 
 class Endpoints(Sequence[Endpoint]):
@@ -118,27 +126,56 @@ class Endpoints(Sequence[Endpoint]):
         endpoints = tuple(endpoints)
         ips = [e.ip for e in endpoints]
         # 4 bytes an IPv4 address; 17 (address_value's family bit and 16) otherwise
-        self._width = 4 if max(ips, default=0) < 1 << 32 else 17
-        if self._width == 4:
-            self._ips = struct.pack(f">{len(ips)}I", *ips)
+        if max(ips, default=0) < 1 << 32:
+            self._fill(struct.pack(f">{len(ips)}I", *ips), 4, endpoints)
         else:
-            self._ips = b"".join(ip.to_bytes(17, "big") for ip in ips)
-        self._conditions = bytes(
-            e.ready * _READY | e.serving * _SERVING | e.terminating * _TERMINATING
-            for e in endpoints
+            self._fill(b"".join(ip.to_bytes(17, "big") for ip in ips), 17, endpoints)
+
+    def _fill(self, ips: bytes, width: int, endpoints: tuple[Endpoint, ...]) -> None:
+        self._set(
+            ips,
+            width,
+            bytes(conditions_of(e.ready, e.serving, e.terminating) for e in endpoints),
+            [(e.node_name, e.zone) for e in endpoints],
+            [(e.hints_for_nodes, e.hints_for_zones) for e in endpoints],
         )
+
+    @classmethod
+    def packed(
+        cls,
+        ips: bytes,
+        width: int,
+        conditions: bytes,
+        places: Sequence[tuple[str | None, str | None]],
+        hints: Sequence[Hints] = (),
+    ) -> Endpoints:
+        """From their columns: addresses packed `width` bytes each (an `address_value`,
+        big-endian), each one's `conditions_of` byte, (nodeName, zone) and, when any has
+        them, (hints.forNodes, hints.forZones)."""
+        endpoints = cls.__new__(cls)
+        endpoints._set(ips, width, conditions, places, hints)
+        return endpoints
+
+    def _set(
+        self,
+        ips: bytes,
+        width: int,
+        conditions: bytes,
+        places: Sequence[tuple[str | None, str | None]],
+        hints: Sequence[Hints],
+    ) -> None:
+        self._ips, self._width, self._conditions = ips, width, conditions
         # node and zone names: a table of the distinct ones, two indexes an endpoint
         names: dict[str | None, int] = {None: 0}
         self._places: array[int] | None = None
-        if any(e.node_name is not None or e.zone is not None for e in endpoints):
-            self._places = array("H")
-            for e in endpoints:
-                self._places.append(names.setdefault(e.node_name, len(names)))
-                self._places.append(names.setdefault(e.zone, len(names)))
+        if any(place != _NOWHERE for place in places):
+            self._places = array(
+                "H", [names.setdefault(name, len(names)) for place in places for name in place]
+            )
         self._names = tuple(names)
-        self._hints: tuple[tuple[tuple[str, ...] | None, tuple[str, ...] | None], ...] | None = None
-        if any(e.hints_for_nodes is not None or e.hints_for_zones is not None for e in endpoints):
-            self._hints = tuple((e.hints_for_nodes, e.hints_for_zones) for e in endpoints)
+        self._hints: tuple[Hints, ...] | None = None
+        if any(hint != NO_HINTS for hint in hints):
+            self._hints = tuple(hints)
 
     def __len__(self) -> int:
         return len(self._conditions)

@@ -16,16 +16,19 @@ from types import MappingProxyType
 from typing import Any
 
 from kpr.model import (
+    NO_HINTS,
     V6,
     Endpoint,
     EndpointPort,
     Endpoints,
     EndpointSlice,
+    Hints,
     IPAddress,
     IPNetwork,
     ObjectRef,
     Service,
     ServicePort,
+    conditions_of,
 )
 
 SERVICE_NAME_LABEL = "kubernetes.io/service-name"  # an EndpointSlice's Service
@@ -350,10 +353,7 @@ def parse_endpoint_slice(obj: dict[str, Any]) -> EndpointSlice:
         # FQDN addresses are host names, not IPs, and kube-proxy ignores those slices.
         endpoints=Endpoints()
         if address_type == "FQDN"
-        else Endpoints(
-            _endpoint(endpoint, ref, f"endpoints[{i}]", 4 if address_type == "IPv4" else 6)
-            for i, endpoint in enumerate(endpoints)
-        ),
+        else _endpoints(endpoints, ref, 4 if address_type == "IPv4" else 6),
         trigger_time=_trigger_time(obj, ref),
     )
 
@@ -382,6 +382,66 @@ def _endpoint_port(value: object, ref: ObjectRef, path: str) -> EndpointPort:
         protocol=_choice(port.get("protocol"), ref, f"{path}.protocol", SERVICE_PROTOCOLS, "TCP"),
         port=None if number is None else _port(number, ref, f"{path}.port"),
     )
+
+
+def _endpoints(values: list[Any], ref: ObjectRef, version: int) -> Endpoints:
+    """A slice's endpoints, packed as they are read: no object an endpoint (a large
+    cluster lists a million). The common shape is read by `_plain_endpoint`; any other,
+    and any error, by `_endpoint`, which names the field."""
+    family, width = _FAMILIES[version], 4 if version == 4 else 17
+    prefix = b"" if version == 4 else b"\x01"  # (address_value's family bit)
+    ips, conditions = bytearray(), bytearray()
+    places: list[tuple[str | None, str | None]] = []
+    hinted: dict[int, Hints] = {}  # (rare) the endpoints with hints, by index
+    for i, value in enumerate(values):
+        plain = _plain_endpoint(value, family)
+        if plain is not None:
+            ips += prefix + plain[0]
+            conditions.append(plain[1])
+            places.append(plain[2])
+            continue
+        endpoint = _endpoint(value, ref, f"endpoints[{i}]", version)
+        ips += endpoint.ip.to_bytes(width, "big")
+        conditions.append(conditions_of(endpoint.ready, endpoint.serving, endpoint.terminating))
+        places.append((endpoint.node_name, endpoint.zone))
+        hinted[i] = (endpoint.hints_for_nodes, endpoint.hints_for_zones)
+    hints = [hinted.get(i, NO_HINTS) for i in range(len(places))] if hinted else []
+    return Endpoints.packed(bytes(ips), width, bytes(conditions), places, hints)
+
+
+_READY_AND_SERVING = conditions_of(True, True, False)
+_CONDITION_NAMES = frozenset({"ready", "serving", "terminating"})
+
+
+def _plain_endpoint(
+    value: object, family: int
+) -> tuple[bytes, int, tuple[str | None, str | None]] | None:
+    """An endpoint of the common shape (one address, conditions true or false or unset,
+    nodeName and zone, no hints), quickly: (its address packed, its `conditions_of`,
+    (nodeName, zone)). None: any other shape, or an error, for `_endpoint` to read."""
+    if type(value) is not dict or "hints" in value:
+        return None
+    addresses = value.get("addresses")
+    if type(addresses) is not list or len(addresses) != 1 or type(addresses[0]) is not str:
+        return None
+    try:
+        packed = socket.inet_pton(family, addresses[0])
+    except OSError:
+        return None
+    given = value.get("conditions")
+    if given is None:
+        conditions = _READY_AND_SERVING
+    elif type(given) is dict and given.keys() <= _CONDITION_NAMES:
+        ready, serving, terminating = (given.get(c) for c in ("ready", "serving", "terminating"))
+        if not all(c is None or type(c) is bool for c in (ready, serving, terminating)):
+            return None
+        conditions = conditions_of(ready is not False, serving is not False, terminating is True)
+    else:
+        return None
+    node, zone = value.get("nodeName"), value.get("zone")
+    if not (node is None or type(node) is str) or not (zone is None or type(zone) is str):
+        return None
+    return packed, conditions, (node and sys.intern(node), zone and sys.intern(zone))
 
 
 def _endpoint(value: object, ref: ObjectRef, path: str, version: int) -> Endpoint:

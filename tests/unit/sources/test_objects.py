@@ -6,10 +6,13 @@ from ipaddress import ip_address
 from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from kpr.model import Endpoint, EndpointPort, ObjectRef, ServicePort, address_value
+from kpr.model import Endpoint, EndpointPort, Endpoints, ObjectRef, ServicePort, address_value
 from kpr.sources.objects import (
     ObjectError,
+    _endpoint,
     parse_endpoint_slice,
     parse_object,
     parse_service,
@@ -424,3 +427,52 @@ def test_bad_load_balancer_fields_name_the_field(spec, status, field) -> None:
     obj = service_dict(type="LoadBalancer", **spec)
     obj["status"] = status
     assert error_of(parse_service, obj).field == field
+
+
+_CONDITION = st.sampled_from([None, True, False, "yes"])
+_NAME = st.sampled_from([None, "node-1", "node-2", "", 3])
+
+
+@st.composite
+def endpoint_dicts(draw: st.DrawFn) -> dict[str, Any]:
+    """Endpoints of every shape the API sends and some it should not: the common one and
+    every way off it (a second address, unknown or null conditions, hints, bad types)."""
+    n = draw(st.integers(0, 255))
+    endpoint: dict[str, Any] = {
+        "addresses": draw(
+            st.sampled_from(
+                [[f"10.0.0.{n}"], [f"10.0.0.{n}", "10.0.1.1"], [f"fd00::{n:x}"], [], "10.0.0.1"]
+            )
+        )
+    }
+    if draw(st.booleans()):
+        names = draw(st.sets(st.sampled_from(["ready", "serving", "terminating", "other"])))
+        endpoint["conditions"] = {c: draw(_CONDITION) for c in names}
+    elif draw(st.booleans()):
+        endpoint["conditions"] = None
+    for key in ("nodeName", "zone"):
+        if draw(st.booleans()):
+            endpoint[key] = draw(_NAME)
+    if draw(st.integers(0, 4)) == 0:
+        endpoint["hints"] = draw(st.sampled_from([None, {"forZones": [{"name": "a"}]}, {}]))
+    return endpoint
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(endpoint_dicts(), max_size=6), st.sampled_from(["IPv4", "IPv6"]))
+def test_the_quick_reading_of_endpoints_equals_the_field_by_field_one(
+    endpoints: list[dict[str, Any]], address_type: str
+) -> None:
+    """A slice's endpoints are read quickly when they have the common shape: the same
+    endpoints, or the same error naming the same field, as reading each field does."""
+    version = 4 if address_type == "IPv4" else 6
+    ref = ObjectRef("EndpointSlice", "shop", "web-abc12")
+    try:
+        expected = [_endpoint(e, ref, f"endpoints[{i}]", version) for i, e in enumerate(endpoints)]
+    except ObjectError as error:
+        got = error_of(parse_endpoint_slice, slice_dict(endpoints, address_type))
+        assert (got.field, got.message) == (error.field, error.message)
+        return
+    parsed = parse_endpoint_slice(slice_dict(endpoints, address_type)).endpoints
+    assert list(parsed) == expected
+    assert parsed == Endpoints(expected) and hash(parsed) == hash(Endpoints(expected))
