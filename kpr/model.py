@@ -180,6 +180,21 @@ class Endpoints(Sequence[Endpoint]):
     def __len__(self) -> int:
         return len(self._conditions)
 
+    @property
+    def hinted(self) -> bool:
+        """Whether any endpoint has topology hints."""
+        return self._hints is not None
+
+    def addresses(self) -> tuple[list[int], list[int]]:
+        """(every endpoint's address, the ready ones' addresses), as `address_value`s, read
+        from the columns at once (no Endpoint each)."""
+        n = len(self)
+        if self._width == 4:
+            ips: list[int] = list(struct.unpack(f">{n}I", self._ips))
+        else:
+            ips = [int.from_bytes(self._ips[i : i + 17], "big") for i in range(0, 17 * n, 17)]
+        return ips, [ip for ip, c in zip(ips, self._conditions, strict=True) if c & _READY]
+
     @overload
     def __getitem__(self, index: int) -> Endpoint: ...
 
@@ -402,6 +417,10 @@ class Backend(int):
 
     def __repr__(self) -> str:
         return f"Backend({self})"
+
+
+# the Backend of a value, (address_value << 16) | port, made in C (no call to Backend's)
+backend_of_value = partial(int.__new__, Backend)
 
 
 @dataclass(frozen=True, slots=True)

@@ -26,14 +26,21 @@ from array import array
 from collections import Counter
 from collections.abc import Iterable, Iterator, Mapping, MutableMapping, Sequence
 from dataclasses import dataclass, field
-from functools import partial
 from itertools import repeat
 from typing import NamedTuple
 
 import numpy as np
 
 from kpr.datapath import abi
-from kpr.model import Backend, Frontend, FrontendState, IPNetwork, Translation, by_key
+from kpr.model import (
+    Backend,
+    Frontend,
+    FrontendState,
+    IPNetwork,
+    Translation,
+    backend_of_value,
+    by_key,
+)
 
 SourceRange = tuple[int, IPNetwork]  # (service id, allowed source network)
 SlotRef = tuple[int, int]  # (service id, slot): a kpr_slots key
@@ -41,8 +48,7 @@ SlotRef = tuple[int, int]  # (service id, slot): a kpr_slots key
 UNBOUNDED = 1 << 32  # no service id is past the slot block array (in-memory maps)
 
 _V6_VALUES = 1 << 64  # a `Backend` this large is IPv6 (an IPv4 one is 48 bits)
-_backend = partial(int.__new__, Backend)  # the Backend of a value (in C)
-_NONE = _backend(0)  # no backend has this value (0.0.0.0:0)
+_NONE = backend_of_value(0)  # no backend has this value (0.0.0.0:0)
 # BackendTable sorts its copy again once this many backends were added or deleted since
 # (and at least an eighth of it): about 70 ms for a million
 SORT_AFTER = 4096
@@ -96,7 +102,7 @@ class BackendTable(MutableMapping[int, Backend]):
         if 0 < bid < len(self._v4):
             value = int(self._v4[bid])
             if value:
-                return _backend(value)
+                return backend_of_value(value)
         return self._v6[bid]
 
     def get(self, bid: int, default: Backend | None = None) -> Backend | None:  # type: ignore[override]
@@ -189,7 +195,7 @@ class BackendTable(MutableMapping[int, Backend]):
 
     def items(self) -> list[tuple[int, Backend]]:  # type: ignore[override]
         ids = np.flatnonzero(self._v4)
-        pairs = list(zip(ids.tolist(), map(_backend, self._v4[ids].tolist()), strict=True))
+        pairs = list(zip(ids.tolist(), map(backend_of_value, self._v4[ids].tolist()), strict=True))
         return sorted(pairs + list(self._v6.items())) if self._v6 else pairs
 
     def count_v6(self) -> int:

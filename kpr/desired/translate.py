@@ -26,6 +26,7 @@ from kpr.model import (
     Service,
     ServicePort,
     Translation,
+    backend_of_value,
 )
 from kpr.sources.objects import SERVICE_NAME_LABEL, SERVICE_PROXY_NAME_LABEL
 
@@ -246,10 +247,37 @@ def select_backends(
     port: ServicePort, slices: Iterable[EndpointSlice], traffic_policy: str, node: NodeContext
 ) -> tuple[Backend, ...]:
     """The backends of one Service port on this node: sorted and unique (merged by ip:port)."""
+    if traffic_policy == "Cluster":
+        quick = _ready_backends(port, slices)
+        if quick is not None:
+            return quick
     endpoints = merge_endpoints(port, slices)
-    return tuple(
-        sorted(categorize_endpoints(endpoints, traffic_policy, node), key=Backend.sort_key)
-    )
+    # (a Backend is an int, sorted as Backend.sort_key sorts)
+    return tuple(sorted(categorize_endpoints(endpoints, traffic_policy, node)))
+
+
+def _ready_backends(
+    port: ServicePort, slices: Iterable[EndpointSlice]
+) -> tuple[Backend, ...] | None:
+    """`select_backends` under the Cluster policy in the common case, from the slices'
+    packed columns (no Endpoint each: a large cluster has a million): the ready ones,
+    when some are, none has topology hints and no ip:port is in two slices (which
+    `merge_endpoints` resolves). None: not that case."""
+    every: list[int] = []
+    ready: list[int] = []
+    for endpoint_slice in slices:
+        for slice_port in endpoint_slice.ports:
+            number = slice_port.port
+            if slice_port.name != port.name or slice_port.protocol != port.protocol or not number:
+                continue
+            if endpoint_slice.endpoints.hinted:
+                return None
+            addresses, ready_addresses = endpoint_slice.endpoints.addresses()
+            every += [address << 16 | number for address in addresses]
+            ready += [address << 16 | number for address in ready_addresses]
+    if not ready or len(set(every)) != len(every):
+        return None  # none ready (terminating ones then), or an ip:port twice
+    return tuple(map(backend_of_value, sorted(set(ready))))
 
 
 def is_served(service: Service, node: NodeContext) -> bool:

@@ -12,6 +12,7 @@ import sys
 from collections.abc import Callable, Mapping
 from datetime import datetime
 from ipaddress import ip_address, ip_network
+from itertools import permutations, product
 from types import MappingProxyType
 from typing import Any
 
@@ -409,8 +410,19 @@ def _endpoints(values: list[Any], ref: ObjectRef, version: int) -> Endpoints:
     return Endpoints.packed(bytes(ips), width, bytes(conditions), places, hints)
 
 
-_READY_AND_SERVING = conditions_of(True, True, False)
-_CONDITION_NAMES = frozenset({"ready", "serving", "terminating"})
+# an endpoint's conditions as the API sends them (each true, false or null, in any
+# order), and what `conditions_of` makes of them, looked up at once
+_PLAIN_CONDITIONS = {
+    tuple(zip(names, values, strict=True)): conditions_of(
+        dict(zip(names, values, strict=True)).get("ready") is not False,
+        dict(zip(names, values, strict=True)).get("serving") is not False,
+        dict(zip(names, values, strict=True)).get("terminating") is True,
+    )
+    for n in range(4)
+    for names in permutations(("ready", "serving", "terminating"), n)
+    for values in product((True, False, None), repeat=n)
+}
+_READY_AND_SERVING = _PLAIN_CONDITIONS[()]
 
 
 def _plain_endpoint(
@@ -422,26 +434,34 @@ def _plain_endpoint(
     if type(value) is not dict or "hints" in value:
         return None
     addresses = value.get("addresses")
-    if type(addresses) is not list or len(addresses) != 1 or type(addresses[0]) is not str:
+    if type(addresses) is not list or len(addresses) != 1:
         return None
     try:
         packed = socket.inet_pton(family, addresses[0])
-    except OSError:
+    except (OSError, TypeError):
         return None
     given = value.get("conditions")
-    if given is None:
-        conditions = _READY_AND_SERVING
-    elif type(given) is dict and given.keys() <= _CONDITION_NAMES:
-        ready, serving, terminating = (given.get(c) for c in ("ready", "serving", "terminating"))
-        if not all(c is None or type(c) is bool for c in (ready, serving, terminating)):
+    conditions = _READY_AND_SERVING
+    if given is not None:
+        if type(given) is not dict:
             return None
-        conditions = conditions_of(ready is not False, serving is not False, terminating is True)
-    else:
-        return None
+        for condition in given.values():  # (1 == True: a number is not a condition)
+            if condition is not True and condition is not False and condition is not None:
+                return None
+        known = _PLAIN_CONDITIONS.get(tuple(given.items()))
+        if known is None:
+            return None
+        conditions = known
     node, zone = value.get("nodeName"), value.get("zone")
-    if not (node is None or type(node) is str) or not (zone is None or type(zone) is str):
-        return None
-    return packed, conditions, (node and sys.intern(node), zone and sys.intern(zone))
+    if node is not None:
+        if type(node) is not str:
+            return None
+        node = sys.intern(node)
+    if zone is not None:
+        if type(zone) is not str:
+            return None
+        zone = sys.intern(zone)
+    return packed, conditions, (node, zone)
 
 
 def _endpoint(value: object, ref: ObjectRef, path: str, version: int) -> Endpoint:

@@ -11,7 +11,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kpr.desired.state import translate
-from kpr.desired.translate import cluster_endpoints, local_endpoints, topology_mode
+from kpr.desired.translate import (
+    cluster_endpoints,
+    local_endpoints,
+    merge_endpoints,
+    select_backends,
+    topology_mode,
+)
 from kpr.model import (
     EXTERNAL,
     SOCKET,
@@ -742,3 +748,46 @@ def test_endpoints_on_this_node_of_services_with_external_frontends_are_listed()
     assert local == {("default", "web"): frozenset({ip_address("10.244.1.11")})}
     plain = translate([service(ports=(HTTP_NP,))], [eps], EXTERNAL_NODE)
     assert plain.local_endpoints == {}  # ClusterIP only: the TC path never sees it
+
+
+@st.composite
+def slices_of_one_service(draw: st.DrawFn) -> list[EndpointSlice]:
+    """A Service's slices with everything that changes which backends a port gets:
+    readiness, termination, an ip:port in two slices, other ports, hints."""
+    slices = []
+    for n in range(draw(st.integers(0, 3))):
+        endpoints = [
+            endpoint(
+                f"10.0.0.{draw(st.integers(1, 6))}",
+                ready=draw(st.booleans()),
+                serving=draw(st.booleans()),
+                terminating=draw(st.booleans()),
+                hints_for_zones=draw(st.sampled_from([None, ("zone-a",), ("zone-b",)])),
+            )
+            for _ in range(draw(st.integers(0, 4)))
+        ]
+        ports = draw(
+            st.sampled_from(
+                [
+                    (EndpointPort("http", "TCP", 8080),),
+                    (EndpointPort("http", "TCP", 8080), EndpointPort("http", "TCP", 9090)),
+                    (EndpointPort("http", "UDP", 8080), EndpointPort("other", "TCP", 8080)),
+                    (EndpointPort("http", "TCP", None),),
+                ]
+            )
+        )
+        slices.append(endpoint_slice(*endpoints, name=f"web-{n}", ports=ports))
+    return slices
+
+
+@settings(max_examples=300, deadline=None)
+@given(slices_of_one_service())
+def test_backends_read_from_packed_endpoints_equal_the_merged_ones(
+    slices: list[EndpointSlice],
+) -> None:
+    """The Cluster policy's backends are read from the slices' packed columns when no ip:port
+    is in two slices and no endpoint has hints: the same backends as merging does."""
+    port = ServicePort("http", "TCP", 80)
+    merged = merge_endpoints(port, slices)
+    expected = tuple(sorted(cluster_endpoints(merged, NODE), key=Backend.sort_key))
+    assert select_backends(port, slices, "Cluster", NODE) == expected

@@ -429,7 +429,7 @@ def test_bad_load_balancer_fields_name_the_field(spec, status, field) -> None:
     assert error_of(parse_service, obj).field == field
 
 
-_CONDITION = st.sampled_from([None, True, False, "yes"])
+_CONDITION = st.sampled_from([None, True, False, "yes", 1, 0])
 _NAME = st.sampled_from([None, "node-1", "node-2", "", 3])
 
 
