@@ -423,18 +423,98 @@ class Backend(int):
 backend_of_value = partial(int.__new__, Backend)
 
 
+_V4_BACKENDS = 1 << 64  # an IPv4 Backend's value is below (48 bits), an IPv6 one's above
+_V6_WIDTH = 19  # bytes an IPv6 Backend's value takes (145 bits)
+
+
+class Backends(Sequence[Backend]):
+    """A frontend's backends, packed: 8 bytes each (19 for IPv6) where a tuple and its
+    Backend objects took 56 (a large cluster's agent holds a million). Each Backend is
+    made as it is read; `values` gives the plain ints. Equal to any sequence of the same
+    Backends."""
+
+    __slots__ = ("_packed", "_width")
+
+    def __init__(self, backends: Iterable[Backend] = ()) -> None:
+        self._set(list(backends))
+
+    @classmethod
+    def of_values(cls, values: list[int]) -> Backends:
+        """From Backend values ((address_value << 16) | port), in their order."""
+        backends = cls.__new__(cls)
+        backends._set(values)
+        return backends
+
+    def _set(self, values: list[int]) -> None:
+        if max(values, default=0) < _V4_BACKENDS:
+            self._packed, self._width = array("Q", values).tobytes(), 8
+        else:
+            self._packed = b"".join(v.to_bytes(_V6_WIDTH, "big") for v in values)
+            self._width = _V6_WIDTH
+
+    @property
+    def packed(self) -> bytes:
+        """The values as native 64-bit integers, when all are IPv4 (else b"" and
+        `is_v4` is False): for a numpy array without a copy."""
+        return self._packed if self._width == 8 else b""
+
+    @property
+    def is_v4(self) -> bool:
+        return self._width == 8 or not self._packed
+
+    def values(self) -> list[int]:
+        """Each Backend's value, as a plain int."""
+        if self._width == 8:
+            return array("Q", self._packed).tolist()
+        packed, width = self._packed, self._width
+        return [int.from_bytes(packed[i : i + width], "big") for i in range(0, len(packed), width)]
+
+    def __len__(self) -> int:
+        return len(self._packed) // self._width
+
+    def __iter__(self) -> Iterator[Backend]:
+        return map(backend_of_value, self.values())
+
+    @overload
+    def __getitem__(self, index: int) -> Backend: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> tuple[Backend, ...]: ...
+
+    def __getitem__(self, index: int | slice) -> Backend | tuple[Backend, ...]:
+        return tuple(self)[index]
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, Backends):
+            return self._packed == other._packed and self._width == other._width
+        if not isinstance(other, Sequence):
+            return NotImplemented
+        return tuple(self) == tuple(other)
+
+    def __hash__(self) -> int:
+        return hash(tuple(self))  # (as the tuple it equals)
+
+    def __repr__(self) -> str:
+        return f"Backends({list(self)!r})"
+
+
 @dataclass(frozen=True, slots=True)
 class FrontendState:
     """What one frontend should do: which Service port it is, which backends serve."""
 
     service: str  # "namespace/name:portname", for status and errors
-    backends: tuple[Backend, ...]  # sorted, unique; empty: refuse connections
+    # sorted, unique; empty: refuse connections. (Any sequence given is packed.)
+    backends: Backends
     affinity_timeout: int = 0  # seconds; 0: no session affinity
     kind: str = "ClusterIP"  # ClusterIP | NodePort | LoadBalancer | ExternalIP, for status
     # loadBalancerSourceRanges (LoadBalancer IPs, external scope); empty: any source
     source_ranges: tuple[IPNetwork, ...] = ()
     # no backends only because of externalTrafficPolicy Local: drop, don't refuse
     drop: bool = False
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.backends, Backends):
+            object.__setattr__(self, "backends", Backends(self.backends))
 
 
 @dataclass(frozen=True)

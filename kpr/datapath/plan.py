@@ -34,6 +34,7 @@ import numpy as np
 from kpr.datapath import abi
 from kpr.model import (
     Backend,
+    Backends,
     Frontend,
     FrontendState,
     IPNetwork,
@@ -219,8 +220,11 @@ class BackendTable(MutableMapping[int, Backend]):
             ids = self.ids_of([b if b < _V6_VALUES else _NONE for b in backends])
             pairs = zip(backends, ids, strict=True)
             return [v6.get(b, 0) if b >= _V6_VALUES else bid for b, bid in pairs]
-        values = np.fromiter(backends, np.uint64, len(backends))
-        if self._recent and len(self._recent) < len(backends):
+        return self._ids_of_values(np.fromiter(backends, np.uint64, len(backends)))
+
+    def _ids_of_values(self, values: np.ndarray) -> list[int]:
+        """`ids_of` IPv4 backends given by value."""
+        if self._recent and len(self._recent) < len(values):
             self._sort()  # (the dict walked for each value would cost more)
         found = np.zeros(len(values), np.int64)
         if len(self._sorted):
@@ -231,8 +235,15 @@ class BackendTable(MutableMapping[int, Backend]):
         if self._recent:
             recent = self._recent
             for i in np.flatnonzero(found == 0).tolist():
-                out[i] = recent.get(backends[i], 0)
+                out[i] = recent.get(int(values[i]), 0)
         return out
+
+    def ids_of_all(self, lists: list[Backends]) -> list[int]:
+        """`ids_of` the backends of each of `lists`, in one list (their packed values read
+        as one array, when all are IPv4)."""
+        if not self._count or not all(backends.is_v4 for backends in lists):
+            return self.ids_of([backend for backends in lists for backend in backends])
+        return self._ids_of_values(np.frombuffer(b"".join(b.packed for b in lists), np.uint64))
 
     def _sort(self) -> None:
         ids = np.flatnonzero(self._v4)
@@ -479,7 +490,7 @@ def plan(
 
     # new backends take the free ids first, then those after the highest in use, in order
     # of first use (an id this plan frees is reused by a later plan, as service ids are)
-    new_backends: dict[Backend, int] = {}
+    new_backends: dict[int, int] = {}  # Backend value -> id
     free_backend_ids = programmed.free_backend_ids
     first_new_id = programmed.max_backend_id + 1
 
@@ -498,14 +509,12 @@ def plan(
     # the ids of the backends the maps hold, looked up all at once (0: a new backend)
     known: Iterator[int] = repeat(0)  # (nothing held: a first sync, every backend is new)
     if programmed.backends:
-        known = iter(
-            programmed.backends.ids_of([b for f in frontends for b in desired[f].backends])
-        )
+        known = iter(programmed.backends.ids_of_all([desired[f].backends for f in frontends]))
     for frontend in frontends:
         state = desired[frontend]
-        wanted = [  # (ids start at 1)
-            next(known) or new_backends.get(b) or new_backends.setdefault(b, new_backend_id())
-            for b in state.backends
+        wanted = [  # (ids start at 1; new backends by value, made Backends once, below)
+            next(known) or new_backends.get(v) or new_backends.setdefault(v, new_backend_id())
+            for v in state.backends.values()
         ]
         current = programmed.services.get(frontend)
         flags = flags_of(state)
@@ -574,7 +583,9 @@ def plan(
         )
 
     out.reused_backend_ids = min(len(new_backends), len(free_backend_ids))
-    out.backend_writes = dict(zip(new_backends.values(), new_backends, strict=True))
+    out.backend_writes = dict(
+        zip(new_backends.values(), map(backend_of_value, new_backends), strict=True)
+    )
     refs = Counter(added)  # change in the number of slots naming each backend
     refs.subtract(Counter(removed))
     if touched is None:

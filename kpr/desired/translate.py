@@ -15,6 +15,7 @@ from kpr.model import (
     PROTOCOLS,
     SOCKET,
     Backend,
+    Backends,
     Endpoint,
     EndpointSlice,
     Frontend,
@@ -26,7 +27,6 @@ from kpr.model import (
     Service,
     ServicePort,
     Translation,
-    backend_of_value,
 )
 from kpr.sources.objects import SERVICE_NAME_LABEL, SERVICE_PROXY_NAME_LABEL
 
@@ -96,7 +96,7 @@ def _translate_service(
             continue
         # a NodePort or LoadBalancer port has many frontends: the same backends for
         # each (family, traffic policy), selected once
-        selected: dict[tuple[int, str], tuple[Backend, ...]] = {}
+        selected: dict[tuple[int, str], Backends] = {}
         for frontend, kind, policy in frontends_of(service, port, node):
             if kind == "ExternalIP" and not external_ip_allowed(frontend.address, node):
                 if frontend.scope == SOCKET:  # one problem per address, not per scope
@@ -245,7 +245,7 @@ def local_ready_endpoints(service: Service, slices: list[EndpointSlice], node: N
 
 def select_backends(
     port: ServicePort, slices: Iterable[EndpointSlice], traffic_policy: str, node: NodeContext
-) -> tuple[Backend, ...]:
+) -> Backends:
     """The backends of one Service port on this node: sorted and unique (merged by ip:port)."""
     if traffic_policy == "Cluster":
         quick = _ready_backends(port, slices)
@@ -253,12 +253,10 @@ def select_backends(
             return quick
     endpoints = merge_endpoints(port, slices)
     # (a Backend is an int, sorted as Backend.sort_key sorts)
-    return tuple(sorted(categorize_endpoints(endpoints, traffic_policy, node)))
+    return Backends(sorted(categorize_endpoints(endpoints, traffic_policy, node)))
 
 
-def _ready_backends(
-    port: ServicePort, slices: Iterable[EndpointSlice]
-) -> tuple[Backend, ...] | None:
+def _ready_backends(port: ServicePort, slices: Iterable[EndpointSlice]) -> Backends | None:
     """`select_backends` under the Cluster policy in the common case, from the slices'
     packed columns (no Endpoint each: a large cluster has a million): the ready ones,
     when some are, none has topology hints and no ip:port is in two slices (which
@@ -277,7 +275,7 @@ def _ready_backends(
             ready += [address << 16 | number for address in ready_addresses]
     if not ready or len(set(every)) != len(every):
         return None  # none ready (terminating ones then), or an ip:port twice
-    return tuple(map(backend_of_value, sorted(set(ready))))
+    return Backends.of_values(sorted(set(ready)))
 
 
 def is_served(service: Service, node: NodeContext) -> bool:

@@ -5,7 +5,15 @@ from ipaddress import ip_address
 
 import pytest
 
-from kpr.model import Backend, Endpoint, Endpoints, EndpointSlice, address_value
+from kpr.model import (
+    Backend,
+    Backends,
+    Endpoint,
+    Endpoints,
+    EndpointSlice,
+    FrontendState,
+    address_value,
+)
 
 
 def backend(address: str, port: int) -> Backend:
@@ -93,3 +101,45 @@ def test_a_slice_packs_the_endpoints_it_is_given() -> None:
     assert [e.address for e in endpoint_slice.endpoints][0] == ip_address("10.244.1.5")
     assert endpoint_slice.endpoints != tuple(ENDPOINTS[:2])
     assert endpoint_slice.endpoints != Endpoints(e._replace(ready=True) for e in ENDPOINTS)
+
+
+BACKENDS = [
+    Backend(ip_address("10.244.1.5"), 8080),
+    Backend(ip_address("10.244.1.6"), 80),
+    Backend(ip_address("255.255.255.255"), 65535),
+]
+
+
+@pytest.mark.parametrize(
+    "backends",
+    [
+        BACKENDS,
+        [Backend(ip_address(f"fd00:244::{i}"), 8080) for i in range(3)]
+        + [Backend(ip_address("ffff:ffff:ffff:ffff:ffff:ffff:ffff:ffff"), 65535)],
+        [],
+    ],
+)
+def test_packed_backends_read_back_as_given(backends: list[Backend]) -> None:
+    packed = Backends(backends)
+    assert (
+        list(packed) == backends and len(packed) == len(backends) and bool(packed) == bool(backends)
+    )
+    assert all(type(b) is Backend for b in packed)  # (with their address and port)
+    assert [str(b) for b in packed] == [str(b) for b in backends]
+    assert packed.values() == [int(b) for b in backends] and all(
+        type(v) is int for v in packed.values()
+    )
+    assert packed == tuple(backends) and tuple(backends) == packed
+    assert (packed != tuple(backends[1:])) == bool(backends)
+    assert packed == Backends.of_values([int(b) for b in backends])
+    assert hash(packed) == hash(tuple(backends))  # (equal, so hashed alike)
+    assert packed[1:] == tuple(backends[1:])
+    assert packed.is_v4 == all(b.family == 4 for b in backends)
+    assert (packed.packed != b"") == (packed.is_v4 and bool(backends))
+
+
+def test_a_frontend_state_packs_the_backends_it_is_given() -> None:
+    state = FrontendState("default/web:http", tuple(BACKENDS))
+    assert isinstance(state.backends, Backends) and state.backends == tuple(BACKENDS)
+    assert state == FrontendState("default/web:http", Backends(BACKENDS))
+    assert hash(state) == hash(FrontendState("default/web:http", BACKENDS))
