@@ -223,9 +223,8 @@ class BackendTable(MutableMapping[int, Backend]):
         return self._ids_of_values(np.fromiter(backends, np.uint64, len(backends)))
 
     def _ids_of_values(self, values: np.ndarray) -> list[int]:
-        """`ids_of` IPv4 backends given by value."""
-        if self._recent and len(self._recent) < len(values):
-            self._sort()  # (the dict walked for each value would cost more)
+        """`ids_of` IPv4 backends given by value. (Those not found sorted are looked up in
+        the dict of recent ones: a sort here would cost a partial sync 10s of ms.)"""
         found = np.zeros(len(values), np.int64)
         if len(self._sorted):
             at = np.minimum(np.searchsorted(self._sorted, values), len(self._sorted) - 1)
