@@ -60,14 +60,13 @@ class Expected:
     def _digest(self, name: str, interrupted: Interrupt = _never) -> int | None:
         """The digest of what map `name` holds now, in batch reads (an array: mmapped);
         None: `interrupted` said stop (asked after each batch, every few milliseconds)."""
-        if self.maps[name].mmapable:
-            keys, values, _ = array_entries(self.maps[name])
-            return self._batch_digest(name, keys, values, used=True)
+        pinned = self.maps[name]
+        used = pinned.mmapable
         total = 0
-        for keys, values, _ in self.maps[name].dump():
+        for keys, values, _ in array_batches(pinned) if used else pinned.dump():
             if interrupted():
                 return None
-            total = combine(total, self._batch_digest(name, keys, values))
+            total = combine(total, self._batch_digest(name, keys, values, used))
         return total
 
     def read(self, name: str, seen: dict[str, int]) -> Iterator[tuple[bytes, bytes, int]]:
@@ -75,7 +74,7 @@ class Expected:
         summed up in `seen` as they go (for `settle`)."""
         seen[name] = 0
         pinned = self.maps[name]
-        batches = [array_entries(pinned)] if pinned.mmapable else pinned.dump()
+        batches = array_batches(pinned) if pinned.mmapable else pinned.dump()
         for keys, values, count in batches:
             digested = self._batch_digest(name, keys, values, used=pinned.mmapable)
             seen[name] = combine(seen[name], digested)
@@ -164,10 +163,31 @@ def array_entries(pinned: bpfsys.PinnedMap) -> tuple[bytes, bytes, int]:
     """The entries of a mmapable array that are not all zeros, packed as a batch read
     returns them: (keys, values, count). Every index is read (a few milliseconds for
     millions: one pass over the memory), so an entry added anywhere is found."""
-    if not pinned.info.max_entries:
-        return b"", b"", 0
-    with pinned.mapped() as view:
-        return _used_entries(view, pinned.stride, pinned.info.value_size)
+    batches = list(array_batches(pinned))
+    keys, values = b"".join(b[0] for b in batches), b"".join(b[1] for b in batches)
+    return keys, values, sum(b[2] for b in batches)
+
+
+# bytes of an array read at a time: a check's work arrays stay small (below the agent's
+# mmap threshold, kpr/agent/loop.py), reused from the heap instead of mapped and faulted
+# in page by page at each full sync
+ARRAY_BATCH = 128 * 1024
+
+
+def array_batches(pinned: bpfsys.PinnedMap) -> Iterator[tuple[bytes, bytes, int]]:
+    """`array_entries` a batch of indexes at a time, as a batch read gives a hash map's."""
+    size, stride = pinned.info.max_entries, pinned.stride
+    if not size:
+        return
+    per = max(1, ARRAY_BATCH // stride)  # indexes a batch
+    with pinned.mapped() as mapping, memoryview(mapping) as whole:
+        for first in range(0, size, per):
+            last = min(first + per, size)
+            with whole[first * stride : last * stride] as view:
+                keys, values, count = _used_entries(view, stride, pinned.info.value_size)
+            if count:
+                keys = (np.frombuffer(keys, np.uint32) + np.uint32(first)).tobytes()
+                yield keys, values, count
 
 
 def _used_entries(view, stride: int, value_size: int) -> tuple[bytes, bytes, int]:

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import random
 import struct
+from unittest import mock
 
 import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from kpr.datapath import digest as digest_module
 from kpr.datapath.digest import combine, difference, digest
 from kpr.datapath.expected import _used_entries
 
@@ -88,3 +90,16 @@ def test_an_arrays_used_entries_are_those_with_any_byte_set(value_size):
     keys, values, count = _used_entries(memory, stride, value_size)
     assert list(np.frombuffer(keys, np.uint32)) == want and count == len(want)
     assert values == b"".join(bytes(memory[i * stride : i * stride + value_size]) for i in want)
+
+
+@pytest.mark.parametrize("chunk", [1, 3, 4096])
+def test_a_digest_taken_a_chunk_at_a_time_is_the_whole_ones(chunk: int) -> None:
+    rng = random.Random(2)
+    items = [((rng.randrange(2**32), i), rng.randrange(2)) for i in range(5000)]
+    whole = sum(of([item]) for item in items) % (1 << 64)  # (one entry a call: no chunks)
+    zeros = sum(of([item]) for item in items if item[1]) % (
+        1 << 64
+    )  # (a value of zero counts for nothing)
+    with mock.patch.object(digest_module, "CHUNK", chunk):
+        assert of(items) == whole
+        assert digest(*packed(items), KEY.size, VALUE.size, skip_zeros=True) == zeros
