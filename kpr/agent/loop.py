@@ -192,19 +192,21 @@ def _log_sync(outcome: SyncResult, left_out: dict[Frontend, ServiceName]) -> Non
 
 
 M_MMAP_THRESHOLD, M_ARENA_MAX = -3, -8  # mallopt's parameters (malloc.h)
+MMAP_THRESHOLD = 4 << 20  # buffers this large or larger are mapped apart
 
 
 def _tune_malloc() -> None:
     """glibc keeps freed memory unless told otherwise. One arena per thread (the
     watchers) scatters it over many heaps that are never given back: two are plenty.
     And a buffer freed raises the size below which buffers come from the heap (up to
-    32 MB), so a full sync's check (10s of MB of batch reads at 100,000 Services) would
-    grow the heap by that much each syncPeriod: a fixed threshold keeps large buffers
-    mapped apart, given back when freed."""
+    32 MB), so the first sync's large buffers (10s of MB at 100,000 Services) would stay
+    in the heap for good: a fixed threshold keeps buffers above it mapped apart, given
+    back when freed. Below it, the full sync's check works in buffers of at most 1 MB
+    (kpr/datapath/digest.py, expected.py), reused from the heap each time."""
     libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
     if hasattr(libc, "mallopt"):
         libc.mallopt(M_ARENA_MAX, 2)
-        libc.mallopt(M_MMAP_THRESHOLD, 256 * 1024)
+        libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD)
 
 
 def _return_free_memory() -> None:

@@ -171,7 +171,7 @@ def array_entries(pinned: bpfsys.PinnedMap) -> tuple[bytes, bytes, int]:
 # bytes of an array read at a time: a check's work arrays stay small (below the agent's
 # mmap threshold, kpr/agent/loop.py), reused from the heap instead of mapped and faulted
 # in page by page at each full sync
-ARRAY_BATCH = 128 * 1024
+ARRAY_BATCH = 1 << 20
 
 
 def array_batches(pinned: bpfsys.PinnedMap) -> Iterator[tuple[bytes, bytes, int]]:
