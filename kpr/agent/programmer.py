@@ -85,6 +85,10 @@ class Programmer:
 
     def write(self, desired: Translation, touched: set[Frontend] | None) -> Written:
         """Write what `touched` frontends (None: all) need to equal `desired`."""
+        if touched is not None and not touched:
+            # (a full sync without changes: nothing to plan. Even an empty plan walks
+            # memory that 30 idle seconds left cold, a few milliseconds of each check)
+            return Written(0)
         # what does not fit the maps is left out before anything is written, whole
         # Services only (first bounded from the plan's own writes: a sync that fits, the
         # rule, walks nothing more)

@@ -196,10 +196,14 @@ def _used_entries(view, stride: int, value_size: int) -> tuple[bytes, bytes, int
     # flags read as one integer where its width allows (4x faster than a pass per column)
     nonzero = np.frombuffer(view, np.uint64) != 0
     columns = stride // 8
-    if columns in (1, 2, 4, 8):
+    if columns == 1:
+        used = nonzero
+    elif columns in (2, 4, 8):
         used = nonzero.view(np.dtype(f"u{columns}")) != 0
     else:
         used = nonzero.reshape(-1, columns).any(axis=1)
     keys = np.flatnonzero(used).astype(np.uint32)
-    values = np.frombuffer(view, np.uint8).reshape(-1, stride)[keys, :value_size]
+    unit = next(u for u in (8, 4, 1) if value_size % u == 0)  # (indexed in whole words)
+    words = np.frombuffer(view, np.dtype(f"u{unit}")).reshape(-1, stride // unit)
+    values = words[keys, : value_size // unit]
     return keys.tobytes(), values.tobytes(), len(keys)

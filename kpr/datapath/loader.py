@@ -339,8 +339,10 @@ def repin_programs(pin_dir: Path, cgroup: Path) -> list[str]:
     try:
         for hook in HOOKS:
             pin = prog_pin(pin_dir, hook)
+            if pin.exists():  # (the rule: no query of what is attached)
+                continue
             attached = _kpr_programs(cgroup_fd, hook)
-            if not pin.exists() and attached:
+            if attached:
                 bpfsys.obj_pin(attached[-1][1], pin)  # the newest: attached last
                 restored.append(pin.name)
             for _, fd in attached:

@@ -236,14 +236,17 @@ def _runs(prog_id: int | None, filters: list[TcFilter]) -> bool:
 
 def repin(pin_dir: Path, devices: Iterable[str]) -> list[str]:
     """Pin again the programs whose pins are gone, from kpr's filters on `devices`."""
+    missing = [d for d in DIRECTIONS if not prog_pin(pin_dir, d).exists()]
+    if not missing:  # (the rule: no netlink dump of the devices' filters)
+        return []
     restored = []
     with Rtnl() as rtnl:
         indexes = [index for device in devices if (index := _existing(device)) is not None]
-        for direction in DIRECTIONS:
-            pin = prog_pin(pin_dir, direction)
+        for direction in missing:
             ids = [f.prog_id for i in indexes for f in _kpr_filters(rtnl, i, direction)]
-            if pin.exists() or not ids:
+            if not ids:
                 continue
+            pin = prog_pin(pin_dir, direction)
             fd = bpfsys.prog_fd_by_id(ids[0])
             try:
                 bpfsys.obj_pin(fd, pin)
