@@ -53,6 +53,10 @@ from kpr.node import host
 from tests.support.apiserver import TestApiServer
 
 SYNC_PERIOD = 30.0  # kpr's default, and kube-proxy's
+# how often an idle watch gets a bookmark: the real API server's watch cache sends one about
+# once a minute (defaultBookmarkFrequency in k8s.io/apiserver's cacher); more often would
+# charge the agent idle work no real cluster gives it
+BOOKMARK_INTERVAL = 60.0
 FULL_SYNCS = "kubeproxy_sync_full_proxy_rules_duration_seconds"
 
 
@@ -92,7 +96,7 @@ def free_port() -> int:
 
 def measure(services: int, endpoints: int, idle: float, changes: int, interval: float) -> dict:
     port = free_port()
-    with TestApiServer(bookmark_interval=5.0, history_size=changes * 4 + 100) as api:
+    with TestApiServer(bookmark_interval=BOOKMARK_INTERVAL, history_size=changes * 4 + 100) as api:
         populate(api, services, endpoints, placed=True)
         started = time.time()
         options = ["--max-services", str(max_services(services)), "--log-level", "info",
@@ -152,7 +156,7 @@ def measure(services: int, endpoints: int, idle: float, changes: int, interval: 
 def churn(services: int, endpoints: int, seconds: float, warm_up: float) -> dict:
     """One endpoint change a second for `seconds`; the agent's RSS every minute."""
     minutes = max(1, int(seconds // 60))
-    with TestApiServer(bookmark_interval=5.0, history_size=500) as api:
+    with TestApiServer(bookmark_interval=BOOKMARK_INTERVAL, history_size=500) as api:
         populate(api, services, endpoints, placed=True)
         with running_agent(api, "--max-services", str(max_services(services))) as (agent, pin):
             runstate.wait_synced(pin, agent, timeout=1200)

@@ -35,6 +35,11 @@ def address_of(value: int) -> IPAddress:
     return IPv6Address(value ^ V6) if value & V6 else IPv4Address(value)
 
 
+def big_endian_ints(packed: bytes, width: int) -> list[int]:
+    """The unsigned integers packed back to back in `packed`, `width` bytes each."""
+    return [int.from_bytes(packed[i : i + width], "big") for i in range(0, len(packed), width)]
+
+
 @dataclass(frozen=True, order=True, slots=True)
 class ObjectRef:
     """Which object something is about, for error messages and status."""
@@ -192,7 +197,7 @@ class Endpoints(Sequence[Endpoint]):
         if self._width == 4:
             ips: list[int] = list(struct.unpack(f">{n}I", self._ips))
         else:
-            ips = [int.from_bytes(self._ips[i : i + 17], "big") for i in range(0, 17 * n, 17)]
+            ips = big_endian_ints(self._ips, 17)
         return ips, [ip for ip, c in zip(ips, self._conditions, strict=True) if c & _READY]
 
     @overload
@@ -358,7 +363,9 @@ class Frontend:
         return f"{text} (external)" if self.scope == EXTERNAL else text
 
 
-_FIRST_V6_BACKEND = V6 << 16  # the IPv6 backends sort after every IPv4 one
+# every IPv6 Backend's value is at least this, every IPv4 one's below 2**48 (so it fits a
+# 64-bit integer): the IPv6 backends sort after every IPv4 one
+FIRST_V6_BACKEND = V6 << 16
 
 
 class Backend(int):
@@ -406,7 +413,7 @@ class Backend(int):
     @staticmethod
     def count_v6(backends: Iterable[Backend]) -> int:
         """How many of `backends` are IPv6 (compared in C: a million in some ms)."""
-        return sum(map(_FIRST_V6_BACKEND.__le__, backends))
+        return sum(map(FIRST_V6_BACKEND.__le__, backends))
 
     def __str__(self) -> str:
         value, port = self >> 16, self & 0xFFFF
@@ -423,7 +430,6 @@ class Backend(int):
 backend_of_value = partial(int.__new__, Backend)
 
 
-_V4_BACKENDS = 1 << 64  # an IPv4 Backend's value is below (48 bits), an IPv6 one's above
 _V6_WIDTH = 19  # bytes an IPv6 Backend's value takes (145 bits)
 
 
@@ -446,7 +452,7 @@ class Backends(Sequence[Backend]):
         return backends
 
     def _set(self, values: list[int]) -> None:
-        if max(values, default=0) < _V4_BACKENDS:
+        if max(values, default=0) < FIRST_V6_BACKEND:
             self._packed, self._width = array("Q", values).tobytes(), 8
         else:
             self._packed = b"".join(v.to_bytes(_V6_WIDTH, "big") for v in values)
@@ -466,8 +472,7 @@ class Backends(Sequence[Backend]):
         """Each Backend's value, as a plain int."""
         if self._width == 8:
             return array("Q", self._packed).tolist()
-        packed, width = self._packed, self._width
-        return [int.from_bytes(packed[i : i + width], "big") for i in range(0, len(packed), width)]
+        return big_endian_ints(self._packed, self._width)
 
     def __len__(self) -> int:
         return len(self._packed) // self._width

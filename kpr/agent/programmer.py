@@ -19,13 +19,19 @@ from ipaddress import IPv6Address
 
 from kpr.datapath import abi
 from kpr.datapath.capacity import Fit, fit, plan_fits, without
-from kpr.datapath.maps import Maps, execute
-from kpr.datapath.plan import ProgrammedState, apply_plan, plan
+from kpr.datapath.maps import Maps, WriteResult, execute
+from kpr.datapath.plan import Plan, ProgrammedState, apply_plan, plan
 from kpr.desired.drift import drift as find_drift
 from kpr.desired.drift import entries
 from kpr.model import Frontend, ServiceName, Translation, by_key
 
 log = logging.getLogger("kpr")
+
+# a first sync into empty maps is planned and written this many frontends at a time: a
+# plan's short-lived objects (a million of them at 100,000 Services, planned at once)
+# then stay few, and their memory is reused by the next part instead of being left in
+# pieces between the long-lived ones, which keeps it from going back to the system
+FIRST_SYNC_PART = 16384
 
 
 @dataclass
@@ -40,6 +46,16 @@ class Written:
         """This write followed by `after`, a write of everything (what failed or was left
         out is its)."""
         return Written(self.writes + after.writes, after.failed, after.left_out_now)
+
+
+def _log_failures(result: WriteResult) -> None:
+    # one line, however many (a full map fails them all)
+    log.error("%s", _failure_summary(sorted(set(result.errors)), result.failed))
+    log.error(
+        "%d frontends keep their previous backends until the next sync: %s",
+        len(result.failed),
+        ", ".join(sorted(str(f) for f in result.failed)[:10]),
+    )
 
 
 def _failure_summary(errors: list[str], failed: set[Frontend], limit: int = 3) -> str:
@@ -89,6 +105,8 @@ class Programmer:
             # (a full sync without changes: nothing to plan. Even an empty plan walks
             # memory that 30 idle seconds left cold, a few milliseconds of each check)
             return Written(0)
+        if touched is None and self.programmed.is_empty():
+            return self._write_first(desired)
         # what does not fit the maps is left out before anything is written, whole
         # Services only (first bounded from the plan's own writes: a sync that fits, the
         # rule, walks nothing more)
@@ -104,21 +122,44 @@ class Programmer:
                 without(desired, checked.left_out) if touched is None else desired,
                 checked.touched,
             )
-        result = execute(self.maps, steps)
+        result = self._execute(steps)
         if result.failed:
-            # one line, however many (a full map fails them all)
-            log.error("%s", _failure_summary(sorted(set(result.errors)), result.failed))
-            log.error(
-                "%d frontends keep their previous backends until the next sync: %s",
-                len(result.failed),
-                ", ".join(sorted(str(f) for f in result.failed)[:10]),
-            )
-            self.programmed = self.maps.read()
-        else:
-            apply_plan(self.programmed, steps)
+            _log_failures(result)
         # (until a write of everything succeeds: a partial one retries only what it touched)
         self.incomplete = bool(result.failed) or (self.incomplete and touched is not None)
         return Written(steps.writes(), set(result.failed), bool(checked.left_out))
+
+    def _write_first(self, desired: Translation) -> Written:
+        """Everything, into empty maps, FIRST_SYNC_PART frontends at a time: the writes
+        of one plan of them all (nothing is stale; ids are given out in the same order),
+        each part in the reader-safe order."""
+        checked = fit(self.programmed, desired, self.sizes)
+        self._record_left_out(checked, None)
+        wanted = without(desired, checked.left_out)
+        frontends = sorted(wanted.frontends, key=by_key)
+        writes, failed = 0, WriteResult()
+        with self.maps.adding():
+            for first in range(0, len(frontends), FIRST_SYNC_PART):
+                steps = plan(
+                    self.programmed, wanted, set(frontends[first : first + FIRST_SYNC_PART])
+                )
+                result = self._execute(steps)
+                writes += steps.writes()
+                failed.failed |= result.failed
+                failed.errors += result.errors
+        if failed.failed:
+            _log_failures(failed)
+        self.incomplete = bool(failed.failed)
+        return Written(writes, set(failed.failed), bool(checked.left_out))
+
+    def _execute(self, steps: Plan) -> WriteResult:
+        """Write `steps`; then what the maps hold: as planned, or (a write failed) read."""
+        result = execute(self.maps, steps)
+        if result.failed:
+            self.programmed = self.maps.read()
+        else:
+            apply_plan(self.programmed, steps)
+        return result
 
     def _record_left_out(self, checked: Fit, touched: set[Frontend] | None) -> None:
         if touched is None:

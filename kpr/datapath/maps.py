@@ -7,6 +7,7 @@ ordering logic is tested without root. `execute` writes a Plan in order.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes as ct
 import errno
 import logging
@@ -84,6 +85,10 @@ class Maps(Protocol):
     def write_source_ranges(self, entries: dict[SourceRange, Frontend]) -> WriteResult: ...
     def delete_source_ranges(self, entries: set[SourceRange]) -> None: ...
     def write_slot_blocks(self, entries: dict[int, list[int]]) -> WriteResult: ...
+    def adding(self) -> contextlib.AbstractContextManager[None]:
+        """Within it, writes add only keys the maps do not hold (a first sync into empty
+        maps): nothing they replace is looked up."""
+
     def unverified(self, interrupted: Callable[[], bool] = lambda: False) -> list[str] | None:
         """The maps that may not hold what was read and written since (drift made behind
         kpr's back, or a write that failed): `read` them again. A check far cheaper than
@@ -259,6 +264,9 @@ class MemoryMaps:
     def unverified(self, interrupted: Callable[[], bool] = lambda: False) -> list[str] | None:
         tables = self._tables()
         return [name for name, table in self.written.items() if tables[name] != table]
+
+    def adding(self) -> contextlib.AbstractContextManager[None]:
+        return contextlib.nullcontext()  # (nothing is looked up before a write here)
 
     def _checked(self) -> None:
         if self.check:
@@ -553,6 +561,14 @@ class BpfMaps:
         if self.expected_ranges is None or self._range_keys() != self.expected_ranges:
             differing.append("kpr_source_ranges")
         return differing
+
+    @contextlib.contextmanager
+    def adding(self) -> Iterator[None]:
+        self.expected.adding = True
+        try:
+            yield
+        finally:
+            self.expected.adding = False
 
     def close(self) -> None:
         for m in self.maps.values():

@@ -33,6 +33,7 @@ import numpy as np
 
 from kpr.datapath import abi
 from kpr.model import (
+    FIRST_V6_BACKEND,
     Backend,
     Backends,
     Frontend,
@@ -48,7 +49,6 @@ SlotRef = tuple[int, int]  # (service id, slot): a kpr_slots key
 
 UNBOUNDED = 1 << 32  # no service id is past the slot block array (in-memory maps)
 
-_V6_VALUES = 1 << 64  # a `Backend` this large is IPv6 (an IPv4 one is 48 bits)
 _NONE = backend_of_value(0)  # no backend has this value (0.0.0.0:0)
 # BackendTable sorts its copy again once this many backends were added or deleted since
 # (and at least an eighth of it): about 70 ms for a million
@@ -128,9 +128,9 @@ class BackendTable(MutableMapping[int, Backend]):
             del self[bid]  # (rare: drift read back)
         v4 = backends
         if Backend.count_v6(backends.values()):
-            v4 = {bid: b for bid, b in backends.items() if b < _V6_VALUES}
+            v4 = {bid: b for bid, b in backends.items() if b < FIRST_V6_BACKEND}
             for bid, backend in backends.items():
-                if backend >= _V6_VALUES:
+                if backend >= FIRST_V6_BACKEND:
                     self._v6[bid] = backend
                     self._v6_ids[backend] = bid
         self._count += len(backends)
@@ -207,19 +207,15 @@ class BackendTable(MutableMapping[int, Backend]):
 
     # --- by backend
 
-    def id_of(self, backend: Backend) -> int | None:
-        """The id of `backend`; None: none."""
-        return self.ids_of([backend])[0] or None
-
     def ids_of(self, backends: Sequence[Backend]) -> list[int]:
         """The id of each of `backends` (0: none), in one binary search for them all."""
         if not backends or not self._count:
             return [0] * len(backends)
         if Backend.count_v6(backends):
             v6 = self._v6_ids
-            ids = self.ids_of([b if b < _V6_VALUES else _NONE for b in backends])
+            ids = self.ids_of([b if b < FIRST_V6_BACKEND else _NONE for b in backends])
             pairs = zip(backends, ids, strict=True)
-            return [v6.get(b, 0) if b >= _V6_VALUES else bid for b, bid in pairs]
+            return [v6.get(b, 0) if b >= FIRST_V6_BACKEND else bid for b, bid in pairs]
         return self._ids_of_values(np.fromiter(backends, np.uint64, len(backends)))
 
     def _ids_of_values(self, values: np.ndarray) -> list[int]:
@@ -346,6 +342,11 @@ class ProgrammedState:
     # the same for backend ids, which index the backend arrays (and so must stay below
     # their size however long the churn)
     free_backend_ids: list[int] = field(default_factory=list)
+
+    def is_empty(self) -> bool:
+        return not (
+            self.services or self.backends or self.revnat or self.source_ranges or self.stray_slots
+        )
 
     def service_ids_in_use(self) -> set[int]:
         return (

@@ -9,11 +9,13 @@ from ipaddress import ip_address
 
 import pytest
 
+from kpr.agent import programmer as programmer_module
+from kpr.agent.programmer import Programmer
 from kpr.datapath import abi, loader
 from kpr.datapath.digest import combine, digest
 from kpr.datapath.expected import array_entries
 from kpr.datapath.maps import BpfMaps
-from kpr.model import Backend
+from kpr.model import Backend, Frontend, FrontendState, Translation
 
 
 @pytest.fixture
@@ -111,3 +113,28 @@ def test_an_mmapped_array_holds_what_its_batch_reads_return(maps):
         )
     keys, _, _ = array_entries(maps.maps["kpr_slot_blocks"])
     assert keys == abi.ID.pack(3) + abi.ID.pack(2000)
+
+
+def test_writes_said_to_add_keep_the_maps_as_expected_and_a_key_there_after_all_is_found(maps):
+    maps.write_backends(backends(1, 3))  # (the maps are no longer empty)
+    maps.write_slots({7: {1: 1}})
+    with maps.adding():  # (what they replace is not read: neither looked up nor digested)
+        maps.write_backends(backends(100, 5000))
+        maps.write_slots({8: {slot: 100 + slot for slot in range(1, 5001)}})
+    assert maps.unverified() == []
+    with maps.adding():  # a key kpr wrote before, said to be new: the check errs safe
+        maps.write_backends({1: backends(9000, 1)[9000]})
+    assert maps.unverified() == ["kpr_backends4"]
+
+
+def test_a_first_sync_in_parts_leaves_the_maps_as_expected(maps, monkeypatch):
+    monkeypatch.setattr(programmer_module, "FIRST_SYNC_PART", 3)
+    desired = Translation()
+    for n in range(1, 11):
+        frontend = Frontend(ip_address(f"10.96.0.{n}"), 80, "TCP")
+        ends = (Backend(ip_address(f"10.244.0.{n}"), 80), Backend(ip_address("10.244.1.1"), 80))
+        desired.frontends[frontend] = FrontendState(f"default/s{n}:http", ends)
+    programmer = Programmer(maps, abi.MapSizes.for_services(1024))
+    assert programmer.write(desired, None).writes > 0
+    assert programmer.check() == []
+    assert programmer.reread() == 0  # (what was written, read back)

@@ -5,10 +5,15 @@ from __future__ import annotations
 
 import dataclasses
 from ipaddress import ip_address
+from unittest import mock
 
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
+
+from kpr.agent import programmer as programmer_module
 from kpr.agent.programmer import Programmer
 from kpr.datapath import abi
-from kpr.datapath.maps import MemoryMaps
+from kpr.datapath.maps import MemoryMaps, consistent
 from kpr.model import Backend, Frontend, FrontendState, Translation
 
 
@@ -106,3 +111,51 @@ def test_a_failed_write_has_the_next_full_sync_plan_everything_until_one_succeed
     maps.capacity = 10
     assert not programmer.write(desired, None).failed
     assert not programmer.plan_all
+
+
+def _first_sync(desired: Translation, part: int, capacity: int = 1000) -> MemoryMaps:
+    def check(maps: MemoryMaps) -> None:
+        faults = consistent(maps)
+        assert not faults, faults
+
+    maps = MemoryMaps(check=check)
+    programmer = Programmer(maps, dataclasses.replace(sizes(capacity), slots=capacity // 2))
+    with mock.patch.object(programmer_module, "FIRST_SYNC_PART", part):
+        written = programmer.write(desired, None)
+    assert not written.failed
+    assert programmer.programmed.services == maps.read().services  # as the maps hold
+    return maps
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.lists(  # each frontend: its backends (from a few shared), IPv6 or not
+        st.tuples(st.lists(st.integers(1, 40), max_size=abi.BLOCK_SLOTS + 4), st.booleans()),
+        min_size=1,
+        max_size=30,
+    ),
+    st.integers(1, 8),
+)
+@example([([1, 2], False), ([2, 3], True), (list(range(1, 21)), False)], 1)
+def test_a_first_sync_in_parts_writes_what_one_plan_of_everything_would(frontends, part):
+    desired = Translation()
+    for n, (backends, v6) in enumerate(frontends, start=1):
+        address = ip_address(f"fd00::{n:x}" if v6 else f"10.96.0.{n}")
+        ends = tuple(
+            Backend(ip_address(f"fd00:1::{b:x}" if v6 else f"10.244.0.{b}"), 8080) for b in backends
+        )
+        frontend = Frontend(address, 80, "TCP")
+        desired.frontends[frontend] = FrontendState(f"default/s{n}:http", ends)
+        desired.owners[frontend] = ("default", f"s{n}")
+    whole, in_parts = _first_sync(desired, 10**9), _first_sync(desired, part)
+    assert in_parts._tables() == whole._tables()
+
+
+def test_a_first_sync_in_parts_leaves_out_what_does_not_fit_as_one_plan_would():
+    desired = Translation()
+    big = abi.BLOCK_SLOTS + 1  # backends whose slots are kpr_slots entries
+    for n in range(1, 5):
+        service(desired, f"s{n}", n, backends=big)
+    whole, in_parts = _first_sync(desired, 10**9, 70), _first_sync(desired, 1, 70)
+    assert in_parts._tables() == whole._tables()
+    assert len(whole.services) == 2  # (35 slots fit twice)

@@ -444,7 +444,6 @@ def test_backend_table_finds_each_backend_as_a_dict_would(
     probes += [be4(i) for i in range(100, 141)]
     index = {b: bid for bid, b in want.items()}
     assert table.ids_of(probes) == [index.get(b, 0) for b in probes]
-    assert [table.id_of(b) for b in probes] == [index.get(b) for b in probes]
     assert table.count_v6() == sum(b.family == 6 for b in want.values())
     top = max(want, default=0)
     assert table.max_id() == top
