@@ -16,7 +16,7 @@ from ipaddress import IPv6Address
 
 from kpr.datapath import abi
 from kpr.datapath.plan import Plan, ProgrammedState, slot_entries
-from kpr.model import Backend, Frontend, FrontendState, ServiceName, Translation
+from kpr.model import Frontend, FrontendState, ServiceName, Translation
 
 # what is counted, each with the MapSizes field that sizes it and the maps it stands for
 _MAPS: dict[str, tuple[str, str]] = {
@@ -221,13 +221,10 @@ def _total(
             out["slots"] += max(0, added)
             old = programmed.source_ranges.get(current.service_id, frozenset())
             out["source_ranges"] += len(set(state.source_ranges) - old)
-    wanted = list(set().union(*(desired[f].backends for f in frontends)))
-    held = programmed.backends.ids_of(wanted)
-    backends = [b for b, bid in zip(wanted, held, strict=True) if not bid]
-    b6 = Backend.count_v6(backends)
-    out["backends4"] += len(backends) - b6
-    out["backends6"] += b6
-    out["backend_ids"] += max(0, len(backends) - len(programmed.free_backend_ids))
+    new4, new6 = programmed.backends.count_new([desired[f].backends for f in frontends])
+    out["backends4"] += new4
+    out["backends6"] += new6
+    out["backend_ids"] += max(0, new4 + new6 - len(programmed.free_backend_ids))
     return out
 
 

@@ -240,6 +240,24 @@ class BackendTable(MutableMapping[int, Backend]):
             return self.ids_of([backend for backends in lists for backend in backends])
         return self._ids_of_values(np.frombuffer(b"".join(b.packed for b in lists), np.uint64))
 
+    def count_new(self, lists: list[Backends]) -> tuple[int, int]:
+        """How many distinct IPv4 and IPv6 backends `lists` name that the table does not
+        hold (the IPv4 ones as one array: a first sync names a million)."""
+        others = [v for backends in lists if not backends.is_v4 for v in backends.values()]
+        v4 = np.unique(
+            np.concatenate(
+                [
+                    np.frombuffer(b"".join(b.packed for b in lists), np.uint64),
+                    np.array([v for v in others if v < FIRST_V6_BACKEND], np.uint64),
+                ]
+            )
+        )
+        new4 = len(v4)
+        if self._count and new4:
+            new4 = int(np.count_nonzero(np.array(self._ids_of_values(v4)) == 0))
+        v6 = {v for v in others if v >= FIRST_V6_BACKEND}
+        return new4, sum(backend_of_value(v) not in self._v6_ids for v in v6)
+
     def _sort(self) -> None:
         ids = np.flatnonzero(self._v4)
         values = self._v4[ids]

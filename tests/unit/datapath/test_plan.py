@@ -13,7 +13,7 @@ from kpr.datapath import abi
 from kpr.datapath import plan as plan_module
 from kpr.datapath.maps import MemoryMaps, WriteResult, consistent, execute
 from kpr.datapath.plan import BackendTable, RefCounts, apply_plan, assign_slots, plan
-from kpr.model import Backend, Frontend, FrontendState, Translation
+from kpr.model import Backend, Backends, Frontend, FrontendState, Translation
 
 
 def fe(n: int, protocol: str = "TCP") -> Frontend:
@@ -445,6 +445,13 @@ def test_backend_table_finds_each_backend_as_a_dict_would(
     index = {b: bid for bid, b in want.items()}
     assert table.ids_of(probes) == [index.get(b, 0) for b in probes]
     assert table.count_v6() == sum(b.family == 6 for b in want.values())
+    # lists of one family and of both (packed as IPv6), with repeats
+    lists = [Backends(probes[i::5]) for i in range(5)] + [Backends(probes[60:])]
+    lists += [Backends(b for b in probes if b.family == 4)] * 2 + [Backends()]
+    lists.append(Backends([be4(99_999), be6(0xFFFF)]))  # (an IPv4 one in no other list)
+    new = {b for backends in lists for b in backends} - set(want.values())
+    expected = (sum(b.family == 4 for b in new), sum(b.family == 6 for b in new))
+    assert table.count_new(lists) == expected
     top = max(want, default=0)
     assert table.max_id() == top
     assert table.free_ids(top + 3) == [i for i in range(1, top + 3) if i not in want]
