@@ -452,6 +452,7 @@ def test_backend_table_finds_each_backend_as_a_dict_would(
     new = {b for backends in lists for b in backends} - set(want.values())
     expected = (sum(b.family == 4 for b in new), sum(b.family == 6 for b in new))
     assert table.count_new(lists) == expected
+    assert table.count_new([]) == table.count_new([Backends()]) == (0, 0)
     top = max(want, default=0)
     assert table.max_id() == top
     assert table.free_ids(top + 3) == [i for i in range(1, top + 3) if i not in want]
