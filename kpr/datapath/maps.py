@@ -482,6 +482,29 @@ def _pack_frontend_keys(frontends: Iterable[Frontend]) -> dict[str, _Packed]:
     return out
 
 
+def _pack_backends(entries: dict[int, Backend]) -> dict[str, _Packed]:
+    if entries and not Backend.count_v6(entries.values()):
+        return {"kpr_backends4": _pack_backends4(entries)}
+    return _pack_addresses("backends", entries)
+
+
+# struct kpr_backend4 as numpy packs it: the address in network order, the port as the
+# programs read it (little-endian, as abi.BACKEND4 packs it)
+_BACKEND4_ROW = np.dtype([("address", ">u4"), ("port", "<u2"), ("pad", "<u2")])
+assert _BACKEND4_ROW.itemsize == abi.BACKEND4.size
+
+
+def _pack_backends4(entries: dict[int, Backend]) -> _Packed:
+    """IPv4 backends packed from their values at once (a first sync writes a million:
+    a struct.pack and an address's bytes each took 0.7 s)."""
+    values = np.fromiter(entries.values(), np.uint64, len(entries))
+    rows = np.zeros(len(entries), _BACKEND4_ROW)
+    rows["address"] = values >> np.uint64(16)
+    rows["port"] = values & np.uint64(0xFFFF)
+    keys = np.fromiter(entries.keys(), np.dtype("<u4"), len(entries))
+    return _Packed(bytearray(keys.tobytes()), bytearray(rows.tobytes()), list(entries))
+
+
 def _pack_addresses(
     base: str, entries: dict[int, Backend] | dict[int, Frontend]
 ) -> dict[str, _Packed]:
@@ -688,7 +711,7 @@ class BpfMaps:
             self.expected.after(name, replaced, keys, b"")
 
     def write_backends(self, entries: dict[int, Backend]) -> WriteResult:
-        return self._write(_pack_addresses("backends", entries))
+        return self._write(_pack_backends(entries))
 
     def write_slots(self, entries: Slots, owners: Owners | None = None) -> WriteResult:
         return self._write(_pack_slots(entries), owners)
@@ -734,7 +757,7 @@ class BpfMaps:
         self._delete(_pack_addresses("revnat", entries))
 
     def delete_backends(self, entries: dict[int, Backend]) -> None:
-        self._delete(_pack_addresses("backends", entries))
+        self._delete(_pack_backends(entries))
 
     def write_node_netns(self, cookie: int) -> None:
         """The node's network namespace (its cookie; 0: unknown), where bind() to a NodePort

@@ -16,7 +16,6 @@ urllib3 pool), as the official client's generated list_* operations would make t
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import random
 import threading
@@ -25,6 +24,8 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from ipaddress import ip_address
 from typing import Any
+
+import orjson
 
 from kpr.gcpause import paused_gc
 from kpr.model import (
@@ -229,7 +230,7 @@ class Watcher(threading.Thread):
                     **extra,
                 )
                 with paused_gc():
-                    body = json.loads(response.data)
+                    body = orjson.loads(response.data)
                 metadata = body.get("metadata") or {}
                 first.setdefault("resourceVersion", metadata.get("resourceVersion"))
                 yield from body.get("items") or []
@@ -267,7 +268,7 @@ class Watcher(threading.Thread):
                     break
                 if not line.strip():
                     continue
-                event = json.loads(line)
+                event = orjson.loads(line)
                 kind, obj = event["type"], event["object"]
                 if kind == "ERROR":
                     raise ApiError(obj.get("code", 500), obj.get("message", ""))

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import ctypes as ct
 import re
+from ipaddress import ip_address
 
 import pytest
 
 from kpr import model
 from kpr.datapath import abi
 from kpr.datapath.loader import HOOKS
+from kpr.datapath.maps import _pack_addresses, _pack_backends
 
 
 def test_every_hook_function_exists_in_the_program_source():
@@ -151,3 +153,15 @@ def test_a_pins_version_is_read_from_its_name_alone():
     assert abi.pin_version("v1_sock_peer") == 1
     assert abi.pin_version("retired_v1_ct") is None  # set aside, not a version's pin
     assert abi.pin_version("vx_ct") is None and abi.pin_version("v2") is None
+
+
+def test_ipv4_backends_packed_at_once_are_the_bytes_abi_packs_one_by_one():
+    entries = {
+        bid: model.Backend(ip_address(address), port)
+        for bid, (address, port) in enumerate(
+            [("10.0.0.1", 80), ("255.254.253.252", 65535), ("0.0.0.1", 1), ("192.168.7.9", 8080)],
+            start=1,
+        )
+    }
+    entries[1 << 31] = model.Backend(ip_address("1.2.3.4"), 443)  # (a high id)
+    assert _pack_backends(entries) == _pack_addresses("backends", entries)
