@@ -56,9 +56,9 @@ def _digest(
 ) -> int:
     count = len(keys) // key_size
     width = -(-(key_size + value_size) // 8) * 8  # each entry padded to 64-bit words
-    # kpr's keys and values are whole 32-bit words: copied a word at a time, not a byte,
+    # kpr's keys and values are whole 32- or 64-bit words: copied a word at a time, not a byte,
     # a column at a time where rows are short (numpy is slow along short rows)
-    unit = 4 if key_size % 4 == 0 and value_size % 4 == 0 else 1
+    unit = min(word_size(key_size), word_size(value_size or 8))
     dtype = np.dtype(f"u{unit}")
     rows = np.zeros((count, width // unit), dtype)
     key_columns = np.frombuffer(keys, dtype).reshape(count, key_size // unit)
@@ -80,6 +80,12 @@ def _digest(
     return int(hashes.sum(dtype=np.uint64))
 
 
+def word_size(size: int) -> int:
+    """The widest integer (8, 4 or 1 bytes) that a field of `size` bytes is made of: numpy
+    handles packed entries a column of those at a time."""
+    return next(u for u in (8, 4, 1) if size % u == 0)
+
+
 def _copy_columns(rows: np.ndarray, first: int, columns: np.ndarray) -> None:
     if columns.shape[1] > 4:
         rows[:, first : first + columns.shape[1]] = columns
@@ -91,7 +97,7 @@ def _copy_columns(rows: np.ndarray, first: int, columns: np.ndarray) -> None:
 def _nonzero_rows(values: bytes | bytearray, count: int, value_size: int) -> np.ndarray:
     """Which of `count` packed values are not all zeros, a column of the widest words at a
     time."""
-    unit = next(u for u in (8, 4, 1) if value_size % u == 0)
+    unit = word_size(value_size)
     columns = np.frombuffer(values, np.dtype(f"u{unit}")).reshape(count, value_size // unit)
     used = columns[:, 0] != 0
     for column in range(1, value_size // unit):

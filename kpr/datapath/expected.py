@@ -23,7 +23,7 @@ from collections.abc import Callable, Iterable, Iterator
 import numpy as np
 
 from kpr.datapath import abi, bpfsys
-from kpr.datapath.digest import combine, difference, digest
+from kpr.datapath.digest import combine, difference, digest, word_size
 
 # a change of at most this many entries looks up what it replaces (a few microseconds
 # each); a larger one reads the whole map twice instead (about 0.4 us per entry held)
@@ -208,7 +208,7 @@ def _used_entries(view, stride: int, value_size: int) -> tuple[bytes, bytes, int
     else:
         used = nonzero.reshape(-1, columns).any(axis=1)
     keys = np.flatnonzero(used).astype(np.uint32)
-    unit = next(u for u in (8, 4, 1) if value_size % u == 0)  # (indexed in whole words)
+    unit = word_size(value_size)  # (indexed in whole words)
     words = np.frombuffer(view, np.dtype(f"u{unit}")).reshape(-1, stride // unit)
     values = words[keys, : value_size // unit]
     return keys.tobytes(), values.tobytes(), len(keys)

@@ -496,7 +496,7 @@ assert _BACKEND4_ROW.itemsize == abi.BACKEND4.size
 
 def _pack_backends4(entries: dict[int, Backend]) -> _Packed:
     """IPv4 backends packed from their values at once (a first sync writes a million:
-    a struct.pack and an address's bytes each took 0.7 s)."""
+    a struct.pack and an address's bytes each is the slow part of its write)."""
     values = np.fromiter(entries.values(), np.uint64, len(entries))
     rows = np.zeros(len(entries), _BACKEND4_ROW)
     rows["address"] = values >> np.uint64(16)

@@ -159,3 +159,16 @@ def test_a_first_sync_in_parts_leaves_out_what_does_not_fit_as_one_plan_would():
     whole, in_parts = _first_sync(desired, 10**9, 70), _first_sync(desired, 1, 70)
     assert in_parts._tables() == whole._tables()
     assert len(whole.services) == 2  # (35 slots fit twice)
+
+
+def test_a_part_of_a_first_sync_that_fails_is_reported_and_the_next_parts_still_written():
+    maps = MemoryMaps(capacity=2)  # a third entry does not fit (the fit check thinks it does)
+    programmer = Programmer(maps, sizes(100))
+    desired = Translation()
+    a, b, c = (service(desired, name, n, backends=1) for n, name in enumerate("abc", start=1))
+    with mock.patch.object(programmer_module, "FIRST_SYNC_PART", 1):
+        written = programmer.write(desired, None)
+    assert written.failed == {c}
+    assert set(maps.read().services) == {a, b}
+    assert programmer.programmed.services == maps.read().services
+    assert programmer.plan_all  # (the next full sync plans everything again)
