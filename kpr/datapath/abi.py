@@ -385,7 +385,10 @@ def derive_sizes(max_services: int) -> dict[str, int]:
         "affinity": max_services,  # LRU: (client netns, service) pairs
         "ct": _FIXED["ct"],
         "source_ranges": max(max_services // 4, 1),  # loadBalancerSourceRanges, all together
-        "slots": frontends * ENDPOINTS_PER_SERVICE,  # kpr_slots, both families
+        # kpr_slots, both families: the slots of frontends with more than BLOCK_SLOTS
+        # backends only (a smaller frontend's are in its slot block), room for a fifth of
+        # every frontend's. Its buckets are walked at each check, even empty
+        "slots": frontends * ENDPOINTS_PER_SERVICE // 5,
     }
 
 

@@ -362,7 +362,7 @@ def test_a_service_that_does_not_fit_is_left_out_whole_before_writing(lab, agent
     assert "map write" not in log  # nothing was tried that does not fit
     # the start-up line: the knob's sizes, and the override
     assert "map sizes for 65536 Services x 10 endpoints (2 frontends each): " in log
-    assert "; --map-sizes overrides slots=12 (derived 1310720)" in log
+    assert "; --map-sizes overrides slots=12 (derived 262144)" in log
     status = status_json(agent.pin_dir)
     maps = status["maps"]
     # wide left nothing behind: echo's master only (its slots: its block)
