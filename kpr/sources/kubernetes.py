@@ -41,10 +41,10 @@ from kpr.sources.objects import (
     SERVICE_PROXY_NAME_LABEL,
     ObjectError,
     node_is_deleting,
-    parse_endpoint_slice,
     parse_service,
 )
 from kpr.sources.tracker import ChangeTracker
+from kpr.sources.wire import decode_slice_page, listed_name, parse_listed_slice
 
 log = logging.getLogger(__name__)
 
@@ -138,7 +138,7 @@ class Watcher(threading.Thread):
         self,
         name: str,
         list_fn: Callable,
-        on_list: Callable[[str, Iterable[dict]], None],
+        on_list: Callable[[str, Iterable[Any]], None],
         on_event: Callable[[str, str, dict], None],
         stop: threading.Event,
         label_selector: str | None = None,
@@ -147,8 +147,11 @@ class Watcher(threading.Thread):
         request_timeout: float = 30.0,
         report: Callable[[str, str], None] = lambda what, resource: None,
         on_connection: Callable[[], None] = lambda: None,
+        decode_page: Callable[[bytes], tuple[dict, list]] | None = None,
     ) -> None:
         super().__init__(name=f"watch-{name}", daemon=True)
+        # a list page's bytes: (its list metadata, its items, for `on_list`)
+        self.decode_page = decode_page or _decode_page
         self.report = report  # ("restart" | "relist", resource) for metrics
         self.on_connection = on_connection  # the watch connected or lost its connection
         self.resource = name
@@ -219,7 +222,7 @@ class Watcher(threading.Thread):
         large cluster is never held as one JSON document; the list's version."""
         first: dict = {}
 
-        def items() -> Iterator[dict]:
+        def items() -> Iterator[Any]:
             token = None
             while True:
                 extra: dict[str, str] = {"_continue": token} if token else {}
@@ -230,10 +233,9 @@ class Watcher(threading.Thread):
                     **extra,
                 )
                 with paused_gc():
-                    body = orjson.loads(response.data)
-                metadata = body.get("metadata") or {}
+                    metadata, page = self.decode_page(response.data)
                 first.setdefault("resourceVersion", metadata.get("resourceVersion"))
-                yield from body.get("items") or []
+                yield from page
                 token = metadata.get("continue")
                 if not token:
                     return
@@ -323,7 +325,11 @@ class KubernetesSource:
         self._on_invalid = on_invalid or (lambda kind: None)
 
         def watcher(
-            name: str, fn: Callable, label: str | None = None, field: str | None = None
+            name: str,
+            fn: Callable,
+            label: str | None = None,
+            field: str | None = None,
+            decode_page: Callable[[bytes], tuple[dict, list]] | None = None,
         ) -> Watcher:
             return Watcher(
                 name,
@@ -337,15 +343,20 @@ class KubernetesSource:
                 request_timeout=request_timeout,
                 report=report,
                 on_connection=self.wake,  # `kpr status` shows the watches' health
+                decode_page=decode_page,
             )
 
         self.watchers: list[Watcher] = []
         for i, selector in enumerate(label_selectors(proxy_name)):
-            for name, fn in (
-                (f"services-{i}", lister(api, LIST_SERVICES)),
-                (f"endpointslices-{i}", lister(api, LIST_ENDPOINT_SLICES)),
-            ):
-                self.watchers.append(watcher(name, fn, label=selector))
+            self.watchers.append(watcher(f"services-{i}", lister(api, LIST_SERVICES), selector))
+            self.watchers.append(
+                watcher(
+                    f"endpointslices-{i}",
+                    lister(api, LIST_ENDPOINT_SLICES),
+                    selector,
+                    decode_page=decode_slice_page,  # (the bulk of a list: typed structs)
+                )
+            )
         self.watchers.append(
             watcher("node", lister(api, LIST_NODES), field=f"metadata.name={node_name}")
         )
@@ -387,10 +398,10 @@ class KubernetesSource:
     # --- feeding the store (watcher threads) --------------------------------------
 
     def _parse(
-        self, resource: str, obj: dict, problems: dict[ObjectRef, Problem | None]
+        self, resource: str, obj: Any, problems: dict[ObjectRef, Problem | None]
     ) -> Service | EndpointSlice | None:
         """The validated object, or None; `problems` gets its problem (or None: fixed)."""
-        parse = parse_service if resource.startswith("services") else parse_endpoint_slice
+        parse = parse_service if resource.startswith("services") else parse_listed_slice
         ref = _ref(resource, obj)
         try:
             parsed = parse(obj)
@@ -410,7 +421,7 @@ class KubernetesSource:
             else:
                 self._store.problems[ref] = problem
 
-    def _listed(self, resource: str, items: Iterable[dict]) -> None:
+    def _listed(self, resource: str, items: Iterable[Any]) -> None:
         """A complete list: the table is replaced at once, after every page arrived
         (a list cut short leaves the previous table in place)."""
         if resource == "node":
@@ -536,7 +547,12 @@ def internal_ips(node: dict | None) -> tuple[IPAddress, ...]:
     return tuple(out)
 
 
-def _ref(resource: str, obj: dict) -> ObjectRef:
+def _decode_page(data: bytes) -> tuple[dict, list]:
+    body = orjson.loads(data)
+    return body.get("metadata") or {}, body.get("items") or []
+
+
+def _ref(resource: str, obj: Any) -> ObjectRef:
     kind = (
         "Node"
         if resource == "node"
@@ -544,5 +560,10 @@ def _ref(resource: str, obj: dict) -> ObjectRef:
         if resource.startswith("services")
         else "EndpointSlice"
     )
+    namespace, name = listed_name(obj) if not isinstance(obj, dict) else _name(obj)
+    return ObjectRef(kind, namespace or "default", name or "?")
+
+
+def _name(obj: dict) -> tuple[Any, Any]:
     metadata = obj.get("metadata") or {}
-    return ObjectRef(kind, metadata.get("namespace") or "default", metadata.get("name") or "?")
+    return metadata.get("namespace"), metadata.get("name")

@@ -355,18 +355,23 @@ def parse_endpoint_slice(obj: dict[str, Any]) -> EndpointSlice:
         endpoints=Endpoints()
         if address_type == "FQDN"
         else _endpoints(endpoints, ref, 4 if address_type == "IPv4" else 6),
-        trigger_time=_trigger_time(obj, ref),
+        trigger_time=_trigger_time(obj),
     )
 
 
 TRIGGER_TIME_ANNOTATION = "endpoints.kubernetes.io/last-change-trigger-time"
 
 
-def _trigger_time(obj: dict[str, Any], ref: ObjectRef) -> float | None:
-    """When the change this slice carries happened (for network programming latency);
-    an unreadable value only loses the measurement, never the slice."""
+def _trigger_time(obj: dict[str, Any]) -> float | None:
     annotations = (obj.get("metadata") or {}).get("annotations") or {}
-    value = annotations.get(TRIGGER_TIME_ANNOTATION) if isinstance(annotations, dict) else None
+    if not isinstance(annotations, dict):
+        return None
+    return trigger_time(annotations.get(TRIGGER_TIME_ANNOTATION))
+
+
+def trigger_time(value: object) -> float | None:
+    """When the change a slice carries happened (for network programming latency), from
+    its annotation; an unreadable value only loses the measurement, never the slice."""
     if not isinstance(value, str):
         return None
     try:

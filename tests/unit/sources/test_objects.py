@@ -5,11 +5,13 @@ from __future__ import annotations
 from ipaddress import ip_address
 from typing import Any
 
+import orjson
 import pytest
-from hypothesis import given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kpr.model import Endpoint, EndpointPort, Endpoints, ObjectRef, ServicePort, address_value
+from kpr.sources import objects
 from kpr.sources.objects import (
     ObjectError,
     _endpoint,
@@ -17,6 +19,7 @@ from kpr.sources.objects import (
     parse_object,
     parse_service,
 )
+from kpr.sources.wire import decode_slice_page, parse_listed_slice
 
 
 def service_dict(**spec: Any) -> dict[str, Any]:
@@ -45,6 +48,22 @@ def slice_dict(
         "endpoints": endpoints if endpoints is not None else [{"addresses": ["10.244.0.5"]}],
         "ports": ports if ports is not None else [{"name": "", "port": 8080, "protocol": "TCP"}],
     }
+
+
+def via_list_page(obj: dict[str, Any]) -> Any:
+    """An EndpointSlice as the agent reads it from a list page (kpr/sources/wire.py)."""
+    page = {"kind": "EndpointSliceList", "metadata": {"resourceVersion": "7"}, "items": [obj]}
+    metadata, items = decode_slice_page(orjson.dumps(page))
+    assert metadata["resourceVersion"] == "7"
+    return parse_listed_slice(items[0])
+
+
+@pytest.fixture(autouse=True, params=["dict", "list page"])
+def slice_reading(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every EndpointSlice case read both ways: a watch event's dict, and a list page
+    decoded into structs (which must give the same objects and the same errors)."""
+    if request.param == "list page":
+        monkeypatch.setitem(globals(), "parse_endpoint_slice", via_list_page)
 
 
 def error_of(parse: Any, obj: dict[str, Any]) -> ObjectError:
@@ -458,7 +477,9 @@ def endpoint_dicts(draw: st.DrawFn) -> dict[str, Any]:
     return endpoint
 
 
-@settings(max_examples=300, deadline=None)
+@settings(
+    max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
 @given(st.lists(endpoint_dicts(), max_size=6), st.sampled_from(["IPv4", "IPv6"]))
 def test_the_quick_reading_of_endpoints_equals_the_field_by_field_one(
     endpoints: list[dict[str, Any]], address_type: str
@@ -476,3 +497,70 @@ def test_the_quick_reading_of_endpoints_equals_the_field_by_field_one(
     parsed = parse_endpoint_slice(slice_dict(endpoints, address_type)).endpoints
     assert list(parsed) == expected
     assert parsed == Endpoints(expected) and hash(parsed) == hash(Endpoints(expected))
+
+
+_ODD = st.sampled_from([None, "", 3, True, [], {}, "x"])
+
+
+@st.composite
+def slice_variants(draw: st.DrawFn) -> dict[str, Any]:
+    """EndpointSlices with the common shape and every way off it in their own fields
+    (metadata, addressType, ports), some valid and some not."""
+    common = [{"addresses": ["10.0.0.1"], "nodeName": "node-1"}]
+    obj = slice_dict(draw(st.one_of(st.just(common), st.lists(endpoint_dicts(), max_size=3))))
+    metadata = obj["metadata"]
+    for key, good in (("name", "web-abc12"), ("namespace", "shop")):
+        if draw(st.integers(0, 3)) == 0:
+            metadata[key] = draw(_ODD)
+        elif draw(st.booleans()):
+            metadata[key] = good
+    if draw(st.integers(0, 3)) == 0:
+        metadata["labels"] = draw(
+            st.sampled_from([None, {}, {"kubernetes.io/service-name": 3}, {"a": "b"}, "x"])
+        )
+    if draw(st.integers(0, 3)) == 0:
+        metadata["annotations"] = draw(
+            st.sampled_from(
+                [
+                    None,
+                    {"endpoints.kubernetes.io/last-change-trigger-time": "2026-12-07T10:00:00Z"},
+                    {"endpoints.kubernetes.io/last-change-trigger-time": "soon"},
+                    {"endpoints.kubernetes.io/last-change-trigger-time": 5},
+                    [],
+                ]
+            )
+        )
+    if draw(st.integers(0, 3)) == 0:
+        obj["addressType"] = draw(st.sampled_from(["IPv6", "FQDN", "ipv4", None, 4]))
+    if draw(st.booleans()):
+        port: dict[str, Any] = {}
+        for key, values in (
+            ("name", [None, "", "http", 3]),
+            ("port", [None, 0, 80, 65535, 65536, "80", True, 8.5]),
+            ("protocol", [None, "", "TCP", "UDP", "SCTP", "tcp", 6]),
+        ):
+            if draw(st.booleans()):
+                port[key] = draw(st.sampled_from(values))
+        obj["ports"] = draw(st.sampled_from([[port], [port, {"name": "b", "port": 9}], None]))
+    return obj
+
+
+@settings(
+    max_examples=400, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(slice_variants())
+def test_a_list_page_gives_the_objects_and_errors_a_watch_event_gives(obj: dict[str, Any]) -> None:
+    """The agent lists EndpointSlices decoded into structs and watches them as dicts: the
+    same slice, or the same error naming the same field, either way."""
+    try:
+        expected = objects.parse_endpoint_slice(obj)
+    except ObjectError as error:
+        with pytest.raises(ObjectError) as caught:
+            via_list_page(obj)
+        assert (caught.value.ref, caught.value.field, caught.value.message) == (
+            error.ref,
+            error.field,
+            error.message,
+        )
+        return
+    assert via_list_page(obj) == expected
