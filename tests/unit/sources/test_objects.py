@@ -564,3 +564,27 @@ def test_a_list_page_gives_the_objects_and_errors_a_watch_event_gives(obj: dict[
         )
         return
     assert via_list_page(obj) == expected
+
+
+@settings(
+    max_examples=500, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(
+    st.one_of(
+        st.ip_addresses().map(str),
+        st.ip_addresses(v=6).map(lambda a: a.exploded),
+        st.text(alphabet="0123456789abcdef:.%x ", min_size=1, max_size=24),
+    )
+)
+def test_addresses_are_read_as_the_ipaddress_module_reads_them(text: str) -> None:
+    """Service addresses are parsed by the C library: the same addresses, and the same
+    strings refused, as Python's ipaddress module (a zone never accepted)."""
+    try:
+        expected = None if "%" in text else ip_address(text)
+    except ValueError:
+        expected = None
+    service = service_dict(clusterIP=text)
+    if expected is None:
+        assert error_of(parse_service, service).field == "spec.clusterIP"
+    else:
+        assert parse_service(service).cluster_ips == (expected,)
