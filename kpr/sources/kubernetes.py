@@ -41,10 +41,15 @@ from kpr.sources.objects import (
     SERVICE_PROXY_NAME_LABEL,
     ObjectError,
     node_is_deleting,
-    parse_service,
 )
 from kpr.sources.tracker import ChangeTracker
-from kpr.sources.wire import decode_slice_page, listed_name, parse_listed_slice
+from kpr.sources.wire import (
+    decode_service_page,
+    decode_slice_page,
+    listed_name,
+    parse_listed_service,
+    parse_listed_slice,
+)
 
 log = logging.getLogger(__name__)
 
@@ -348,15 +353,12 @@ class KubernetesSource:
 
         self.watchers: list[Watcher] = []
         for i, selector in enumerate(label_selectors(proxy_name)):
-            self.watchers.append(watcher(f"services-{i}", lister(api, LIST_SERVICES), selector))
-            self.watchers.append(
-                watcher(
-                    f"endpointslices-{i}",
-                    lister(api, LIST_ENDPOINT_SLICES),
-                    selector,
-                    decode_page=decode_slice_page,  # (the bulk of a list: typed structs)
-                )
-            )
+            # (list pages decoded into typed structs: kpr/sources/wire.py)
+            for name, fn, decode in (
+                (f"services-{i}", lister(api, LIST_SERVICES), decode_service_page),
+                (f"endpointslices-{i}", lister(api, LIST_ENDPOINT_SLICES), decode_slice_page),
+            ):
+                self.watchers.append(watcher(name, fn, selector, decode_page=decode))
         self.watchers.append(
             watcher("node", lister(api, LIST_NODES), field=f"metadata.name={node_name}")
         )
@@ -401,7 +403,7 @@ class KubernetesSource:
         self, resource: str, obj: Any, problems: dict[ObjectRef, Problem | None]
     ) -> Service | EndpointSlice | None:
         """The validated object, or None; `problems` gets its problem (or None: fixed)."""
-        parse = parse_service if resource.startswith("services") else parse_listed_slice
+        parse = parse_listed_service if resource.startswith("services") else parse_listed_slice
         ref = _ref(resource, obj)
         try:
             parsed = parse(obj)

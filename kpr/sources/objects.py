@@ -130,16 +130,23 @@ _FAMILIES = {4: socket.AF_INET, 6: socket.AF_INET6}
 _FROM_PACKED = ((socket.AF_INET, IPv4Address), (socket.AF_INET6, IPv6Address))
 
 
+def packed_ip(value: str) -> IPAddress | None:
+    """The address `value` names, parsed by the C library (4x faster than the ipaddress
+    module, which `_ip` keeps for its errors); None: not an address."""
+    for family, make in _FROM_PACKED:
+        try:
+            return make(socket.inet_pton(family, value))
+        except OSError:
+            continue
+    return None
+
+
 def _ip(value: object, ref: ObjectRef, path: str, version: int | None = None) -> IPAddress:
     if not isinstance(value, str):
         raise ObjectError(ref, path, f"must be an IP address string, not {value!r}")
-    for family, make in _FROM_PACKED:  # (the C library parses it 4x faster)
-        try:
-            address = make(socket.inet_pton(family, value))
-        except OSError:
-            continue
-        if version is None or address.version == version:
-            return address
+    address = packed_ip(value)
+    if address is not None and (version is None or address.version == version):
+        return address
     try:
         # A zone ("%eth0") is accepted by Python but never valid in Kubernetes.
         if "%" in value:

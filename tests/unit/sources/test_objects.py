@@ -19,7 +19,12 @@ from kpr.sources.objects import (
     parse_object,
     parse_service,
 )
-from kpr.sources.wire import decode_slice_page, parse_listed_slice
+from kpr.sources.wire import (
+    decode_service_page,
+    decode_slice_page,
+    parse_listed_service,
+    parse_listed_slice,
+)
 
 
 def service_dict(**spec: Any) -> dict[str, Any]:
@@ -51,19 +56,26 @@ def slice_dict(
 
 
 def via_list_page(obj: dict[str, Any]) -> Any:
-    """An EndpointSlice as the agent reads it from a list page (kpr/sources/wire.py)."""
-    page = {"kind": "EndpointSliceList", "metadata": {"resourceVersion": "7"}, "items": [obj]}
-    metadata, items = decode_slice_page(orjson.dumps(page))
+    """A Service or an EndpointSlice as the agent reads it from a list page
+    (kpr/sources/wire.py)."""
+    decode, parse = (
+        (decode_service_page, parse_listed_service)
+        if obj.get("kind") == "Service"
+        else (decode_slice_page, parse_listed_slice)
+    )
+    page = {"kind": "List", "metadata": {"resourceVersion": "7"}, "items": [obj]}
+    metadata, items = decode(orjson.dumps(page))
     assert metadata["resourceVersion"] == "7"
-    return parse_listed_slice(items[0])
+    return parse(items[0])
 
 
 @pytest.fixture(autouse=True, params=["dict", "list page"])
-def slice_reading(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Every EndpointSlice case read both ways: a watch event's dict, and a list page
-    decoded into structs (which must give the same objects and the same errors)."""
+def object_reading(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every Service and EndpointSlice case read both ways: a watch event's dict, and a
+    list page decoded into structs (which must give the same objects and errors)."""
     if request.param == "list page":
         monkeypatch.setitem(globals(), "parse_endpoint_slice", via_list_page)
+        monkeypatch.setitem(globals(), "parse_service", via_list_page)
 
 
 def error_of(parse: Any, obj: dict[str, Any]) -> ObjectError:
@@ -545,15 +557,74 @@ def slice_variants(draw: st.DrawFn) -> dict[str, Any]:
     return obj
 
 
+@st.composite
+def service_variants(draw: st.DrawFn) -> dict[str, Any]:
+    """Services of the common shape and every way off it, valid and not."""
+    obj = service_dict()
+    spec, metadata = obj["spec"], obj["metadata"]
+    if draw(st.integers(0, 3)) == 0:
+        metadata["name"] = draw(_ODD)
+    if draw(st.integers(0, 3)) == 0:
+        metadata["labels"] = draw(
+            st.sampled_from([None, {"service.kubernetes.io/service-proxy-name": "x"}, {"a": 1}])
+        )
+    choices: dict[str, list[Any]] = {
+        "type": [None, "ClusterIP", "NodePort", "LoadBalancer", "ExternalName", "", "x", 3],
+        "clusterIP": [None, "", "None", "10.96.0.9", "fd00::9", "10.96.0.300", 5],
+        "clusterIPs": [None, [], ["10.96.0.9"], ["10.96.0.9", "fd00::9"], ["None"], ["x"]],
+        "externalIPs": [None, [], ["192.0.2.1"], "x", 0, ""],
+        "sessionAffinity": [None, "None", "ClientIP", "", "x"],
+        "sessionAffinityConfig": [None, {}, {"clientIP": {"timeoutSeconds": 60}}],
+        "internalTrafficPolicy": [None, "Cluster", "Local", "", "x"],
+        "externalTrafficPolicy": [None, "Cluster", "Local", ""],
+        "loadBalancerSourceRanges": [None, [], ["10.0.0.0/8"], 0],
+        "healthCheckNodePort": [None, 32000, 0, "x"],
+    }
+    for key, values in choices.items():  # (a few at a time: the others stay common)
+        if draw(st.integers(0, 5)) == 0:
+            spec[key] = draw(st.sampled_from(values))
+    if draw(st.booleans()):
+        ports = []
+        for _ in range(draw(st.integers(0, 3))):
+            port: dict[str, Any] = {}
+            for key, values in (
+                ("name", [None, "", "http", "dns", 3]),
+                ("port", [None, 0, 80, 53, 65536, "80", True]),
+                ("protocol", [None, "", "TCP", "UDP", "tcp"]),
+                ("nodePort", [None, 0, 30080, 70000]),
+            ):
+                if draw(st.booleans()):
+                    port[key] = draw(st.sampled_from(values))
+            ports.append(port)
+        spec["ports"] = ports
+    if draw(st.booleans()):
+        obj["status"] = draw(
+            st.sampled_from(
+                [
+                    None,
+                    {},
+                    {"loadBalancer": {}},
+                    {"loadBalancer": {"ingress": []}},
+                    {"loadBalancer": {"ingress": [{"ip": "203.0.113.7"}]}},
+                    {"loadBalancer": None},
+                    {"loadBalancer": []},
+                    [],
+                ]
+            )
+        )
+    return obj
+
+
 @settings(
-    max_examples=400, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+    max_examples=1500, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
 )
-@given(slice_variants())
+@given(st.one_of(slice_variants(), service_variants(), service_variants()))
 def test_a_list_page_gives_the_objects_and_errors_a_watch_event_gives(obj: dict[str, Any]) -> None:
-    """The agent lists EndpointSlices decoded into structs and watches them as dicts: the
-    same slice, or the same error naming the same field, either way."""
+    """The agent lists Services and EndpointSlices decoded into structs and watches them
+    as dicts: the same object, or the same error naming the same field, either way."""
+    parse = objects.parse_service if obj["kind"] == "Service" else objects.parse_endpoint_slice
     try:
-        expected = objects.parse_endpoint_slice(obj)
+        expected = parse(obj)
     except ObjectError as error:
         with pytest.raises(ObjectError) as caught:
             via_list_page(obj)
