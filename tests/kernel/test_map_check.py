@@ -17,10 +17,13 @@ from kpr.datapath.expected import array_entries
 from kpr.datapath.maps import BpfMaps
 from kpr.model import Backend, Frontend, FrontendState, Translation
 
+# kpr_slots holds 16,384 slots: room for a write larger than expected.LOOKED_UP
+SIZES = abi.MapSizes.for_services(4096)
+
 
 @pytest.fixture
 def maps(pin_dir, cgroup):
-    loader.load(pin_dir, cgroup, abi.MapSizes.for_services(1024), attach=False)
+    loader.load(pin_dir, cgroup, SIZES, attach=False)
     opened = BpfMaps(pin_dir)
     opened.read()  # (what an agent does first: adopt what the maps hold)
     yield opened
@@ -134,7 +137,7 @@ def test_a_first_sync_in_parts_leaves_the_maps_as_expected(maps, monkeypatch):
         frontend = Frontend(ip_address(f"10.96.0.{n}"), 80, "TCP")
         ends = (Backend(ip_address(f"10.244.0.{n}"), 80), Backend(ip_address("10.244.1.1"), 80))
         desired.frontends[frontend] = FrontendState(f"default/s{n}:http", ends)
-    programmer = Programmer(maps, abi.MapSizes.for_services(1024))
+    programmer = Programmer(maps, SIZES)
     assert programmer.write(desired, None).writes > 0
     assert programmer.check() == []
     assert programmer.reread() == 0  # (what was written, read back)
