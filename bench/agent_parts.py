@@ -6,8 +6,10 @@
   them (each in a fresh interpreter after the ones before: what it adds to the agent);
 - the bytes one record takes (sys.getsizeof, with what it alone holds): a Backend, a
   slice's packed endpoints per endpoint, and the objects they replaced;
-- parsing and translating N Services of one EndpointSlice × 10 endpoints (the bench's
-  objects, bench/scale.py), in microseconds a Service (the best of --repeats).
+- reading and translating N Services of one EndpointSlice × 10 endpoints (the bench's
+  objects, bench/scale.py), in microseconds a Service (the best of --repeats): read from
+  a list page as the agent's lists are (typed structs), and as its watch events are
+  (orjson's dicts, the validating parser), to compare the two.
 
 Nothing runs but this process and its short-lived children.
 """
@@ -15,16 +17,24 @@ Nothing runs but this process and its short-lived children.
 from __future__ import annotations
 
 import argparse
-import json
 import subprocess
 import sys
 import time
 from ipaddress import IPv4Address
 
+import orjson
+
 from bench.scale import bench_endpoint_slice, bench_service
 from kpr.desired.state import DesiredState
+from kpr.gcpause import paused_gc
 from kpr.model import Backend, Endpoint, Endpoints, NodeContext, address_value
 from kpr.sources.objects import parse_endpoint_slice, parse_service
+from kpr.sources.wire import (
+    decode_service_page,
+    decode_slice_page,
+    parse_listed_service,
+    parse_listed_slice,
+)
 
 # as the agent's process imports them (`kpr run` execs kpr.cli.serve, which loads the rest):
 # the third-party ones first
@@ -90,24 +100,45 @@ def record_bytes() -> dict[str, int]:
 
 
 def parse_and_translate(services: int, repeats: int) -> dict[str, float]:
+    """Microseconds a Service (with its slice) to read it as the agent does: from a list
+    page into structs (kpr/sources/wire.py), or as watch events are read (each object
+    decoded into dicts, then the validating parser); and to translate it."""
     base = IPv4Address("10.128.0.0")
-    raw = [
-        (
-            bench_service(f"s{i}", str(IPv4Address("10.96.0.0") + i)),
-            bench_endpoint_slice(f"s{i}", [str(base + i * 10 + j) for j in range(10)]),
+    pages = services_page, slices_page = tuple(
+        orjson.dumps({"kind": "List", "metadata": {"resourceVersion": "1"}, "items": items})
+        for items in (
+            [bench_service(f"s{i}", str(IPv4Address("10.96.0.0") + i)) for i in range(services)],
+            [
+                bench_endpoint_slice(f"s{i}", [str(base + i * 10 + j) for j in range(10)])
+                for i in range(services)
+            ],
         )
-        for i in range(services)
-    ]
-    raw = json.loads(json.dumps(raw))  # (fresh objects, as decoded from the API)
-    best = {"parse": float("inf"), "translate": float("inf")}
+    )
+    # each object's JSON on its own, as a watch event's line carries it
+    events = [[orjson.dumps(o) for o in orjson.loads(p)["items"]] for p in pages]
+    best = dict.fromkeys(("read from a list page", "read as watch events", "translate"), 1e9)
     for _ in range(repeats):
-        began = time.perf_counter()
-        parsed = [(parse_service(s), parse_endpoint_slice(e)) for s, e in raw]
-        parsed_at = time.perf_counter()
-        DesiredState().update([s for s, _ in parsed], [e for _, e in parsed], NodeContext())
+        with paused_gc():  # (as the agent reads its lists)
+            began = time.perf_counter()
+            listed = (
+                [parse_listed_service(s) for s in decode_service_page(services_page)[1]],
+                [parse_listed_slice(e) for e in decode_slice_page(slices_page)[1]],
+            )
+            read_at = time.perf_counter()
+            watched = (
+                [parse_service(orjson.loads(line)) for line in events[0]],
+                [parse_endpoint_slice(orjson.loads(line)) for line in events[1]],
+            )
+            watched_at = time.perf_counter()
+        assert listed == watched  # (the two ways read the same objects)
+        DesiredState().update(listed[0], listed[1], NodeContext())
         done = time.perf_counter()
-        best["parse"] = min(best["parse"], parsed_at - began)
-        best["translate"] = min(best["translate"], done - parsed_at)
+        for name, seconds in (
+            ("read from a list page", read_at - began),
+            ("read as watch events", watched_at - read_at),
+            ("translate", done - watched_at),
+        ):
+            best[name] = min(best[name], seconds)
     return {name: seconds / services * 1e6 for name, seconds in best.items()}
 
 
