@@ -21,4 +21,5 @@ def test_it_prints_each_module_a_record_size_and_a_time_per_service() -> None:
     assert 0 < sizes["Backend"] < sizes["an IPv4Address (what a backend held before)"]
     assert 0 < sizes["packed endpoint (a slice of 10, with node names)"] < 64
     times = parse_and_translate(20, 1)
-    assert set(times) == {"parse", "translate"} and all(t > 0 for t in times.values())
+    ways = {"read from a list page", "read as watch events"}  # (checked equal by it)
+    assert set(times) == ways | {"translate"} and all(t > 0 for t in times.values())
