@@ -20,6 +20,7 @@ import ctypes.util
 import dataclasses
 import gc
 import logging
+import math
 import os
 import threading
 import time
@@ -61,12 +62,6 @@ from kpr.node.devices import (
 )
 
 log = logging.getLogger("kpr")
-
-# how often the run loop looks, when nothing wakes it, for what it does when quiet: the
-# desired-state file put off by changes, the watches' health for `kpr status`. (A change
-# of the objects or of the devices wakes it at once; a turn every second was a visible
-# share of the agent's idle CPU.)
-IDLE_TICK = 5.0
 
 
 class Source(Protocol):
@@ -695,7 +690,9 @@ class Agent:
     def run(self, stop: threading.Event) -> None:
         """Sync until `stop` is set: changes at most once per min_sync_period, a full
         sync at least once per sync_period (kube-proxy's bounded-frequency runner,
-        `runner.SyncRunner`). The source accumulates changes while the runner holds back."""
+        `runner.SyncRunner`). The source accumulates changes while the runner holds back.
+        Whoever sets `stop` wakes the source (`self.source.wake()`): an idle loop waits
+        for it, or for the next full sync."""
         cfg = self.config
         self.runner.request()  # the first poll at once: a source may have its state already
 
@@ -728,9 +725,13 @@ class Agent:
                 observer.queued(time.time(), pending)
             return True
 
-        def idle(quiet: bool) -> None:
+        def idle(quiet: bool) -> float:
+            """The desired state put off by changes, saved once things are quiet; the
+            watches' health; the devices, when they changed. The seconds until the put-off
+            save is due (math.inf: none): a change, a watch's connection or the devices
+            wake the loop themselves."""
             if self.stood_down():
-                return
+                return math.inf
             pause = max(5.0, 10 * self._desired_save_s)
             if quiet and self._unsaved is not None and self.clock() - self._saved_at > pause:
                 self._save_state()
@@ -743,9 +744,12 @@ class Agent:
                         self.runner.request()  # a resync may be waiting in the source
                 except Exception as err:  # the devices are read again at the next event
                     log.error("could not follow the devices' change: %s", err)
+            if self._unsaved is None:
+                return math.inf
+            return max(0.0, self._saved_at + pause - self.clock())
 
         self.source.start()
-        self.runner.run(stop, sync, wait, idle, tick=IDLE_TICK)
+        self.runner.run(stop, sync, wait, idle)
         if self.device_watch is not None:
             self.device_watch.close()
         self.source.stop()

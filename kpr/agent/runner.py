@@ -143,13 +143,16 @@ class SyncRunner:
         stop: Stop,
         sync: Callable[[Kind], Ran | None],
         wait: Callable[[float], bool],
-        idle: Callable[[bool], None] | None = None,
-        tick: float = 1.0,
+        idle: Callable[[bool], float] | None = None,
     ) -> None:
         """Until `stop` is set: `sync` when `next_action` says so; otherwise `wait` (for a
-        change, True, or the timeout: at most `tick`, so `idle` runs that often). While a
-        change is held back the loop sleeps on `stop` instead: the source keeps
-        accumulating. `idle(quiet)` after every turn, `quiet` when `wait` timed out."""
+        change, True, or the timeout). While a change is held back the loop sleeps on `stop`
+        instead: the source keeps accumulating. `idle(quiet)` after every turn, `quiet` when
+        `wait` timed out; it returns the seconds until it has work of its own (math.inf:
+        none), which bound the next wait. Nothing else wakes an idle loop: no turn every
+        few seconds (each was a visible share of the agent's idle CPU). Whoever sets `stop`
+        makes `wait` return (the agent: a change of its source)."""
+        idle_in = math.inf
         while not stop.is_set():
             kind, wait_s = self.next_action(self.clock())
             quiet = False
@@ -158,9 +161,9 @@ class SyncRunner:
                 self.record(kind, ran, self.clock())
             elif self.pending:
                 stop.wait(wait_s)
-            elif wait(max(0.0, min(wait_s, tick))):
+            elif wait(max(0.0, min(wait_s, idle_in))):
                 self.request()
             else:
                 quiet = True
             if idle is not None and not stop.is_set():
-                idle(quiet)
+                idle_in = idle(quiet)

@@ -218,6 +218,14 @@ def serve(options: RunOptions) -> int:
     stop = threading.Event()
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: stop.set())
+
+    # the stop wakes the idle run loop from its wait for the source (from a thread: a
+    # signal handler that took the source's lock could find its own thread holding it)
+    def wake_on_stop() -> None:
+        stop.wait()
+        agent.source.wake()
+
+    threading.Thread(target=wake_on_stop, name="kpr-stop", daemon=True).start()
     # a thread that gives up the GIL for a syscall (each map write does) waits for it up to
     # the switch interval while another thread computes (the run-state file's serializer):
     # 5 ms by default, 10 map writes of a change made 100 ms of it at 100,000 Services

@@ -202,14 +202,22 @@ def test_stop_while_a_change_is_held_ends_the_loop_at_once_without_syncing():
     assert clock.now == 2.5  # woken by stop, not at the end of the hold
 
 
-def test_stop_ends_an_idle_loop_within_one_tick():
+def test_an_idle_loop_waits_for_the_next_full_sync_or_for_idle_work_and_nothing_else():
     clock = Clock()
     runner = SyncRunner(1.0, 30.0, clock=clock)
     source = Source(clock, [])
+    turns: list[float] = []
+
+    def idle(quiet: bool) -> float:
+        turns.append(clock.now)
+        return 7.0 if len(turns) == 1 else math.inf  # work of its own once, 7 s on
+
     runner.request()
-    runner.run(Stop(clock, 12.3), Agent(clock, source), source.wait, tick=1.0)
-    assert 12.3 <= clock.now <= 13.3
-    assert max(source.waits) <= 1.0
+    runner.run(Stop(clock, 65.0), Agent(clock, source), source.wait, idle=idle)
+    # the first sync at 0, idle's work at 7, then the full syncs at 30 and 60 (a turn as
+    # the wait ends, one after the sync): nothing in between
+    assert turns == [0.0, 7.0, 30.0, 30.0, 60.0, 60.0]
+    assert source.waits[:4] == [7.0, 23.0, 30.0, 30.0]
 
 
 def test_stop_set_by_a_sync_ends_the_loop_before_anything_else_runs():
@@ -224,7 +232,7 @@ def test_stop_set_by_a_sync_ends_the_loop_before_anything_else_runs():
         return Ran(full=True)
 
     runner.request()
-    runner.run(stop, sync, source.wait, idle=turns.append)
+    runner.run(stop, sync, source.wait, idle=lambda quiet: turns.append(quiet) or math.inf)
     assert source.waits == [] and turns == []
 
 
@@ -238,7 +246,7 @@ def test_idle_runs_every_turn_and_is_quiet_only_when_the_wait_timed_out():
         Stop(clock, 3.5),
         Agent(clock, source),
         source.wait,
-        idle=lambda quiet: turns.append((clock.now, quiet)),
+        idle=lambda quiet: turns.append((clock.now, quiet)) or 1.0,  # work every second
     )
     # the first sync, a wait timed out at 1.0, the change at 1.5 and its sync, then quiet
     assert turns == [(0.0, False), (1.0, True), (1.5, False), (1.5, False), (2.5, True)]
