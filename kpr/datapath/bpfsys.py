@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ctypes as ct
 import errno
+import functools
 import mmap
 import os
 import struct
@@ -60,6 +61,14 @@ _libbpf.bpf_prog_query.argtypes = [
     ct.POINTER(ct.c_uint32),
 ]
 _libbpf.libbpf_num_possible_cpus.argtypes = []
+_libbpf.bpf_map_create.argtypes = [
+    ct.c_int,
+    ct.c_char_p,
+    ct.c_uint32,
+    ct.c_uint32,
+    ct.c_uint32,
+    ct.c_void_p,
+]
 _libbpf.bpf_enable_stats.argtypes = [ct.c_int]
 
 BPF_ANY = 0
@@ -94,6 +103,58 @@ def enable_run_time_stats() -> int:
 
 def num_possible_cpus() -> int:
     return _check(_libbpf.libbpf_num_possible_cpus(), "count possible CPUs")
+
+
+def memlock(fd: int) -> int:
+    """The kernel's account of the memory map `fd` uses (its `memlock` in fdinfo, as
+    bpftool shows it). For a hash map made without preallocation (BPF_F_NO_PREALLOC, every
+    kpr hash map) it grows with the entries held, on kernels that count them
+    (`memlock_counts_entries`)."""
+    with open(f"/proc/self/fdinfo/{fd}", "rb") as info:
+        for line in info:
+            if line.startswith(b"memlock:"):
+                return int(line.split()[1])
+    raise BpfError(errno.EINVAL, f"no memlock in the fdinfo of map fd {fd}")
+
+
+class _MapCreateOpts(ct.Structure):  # libbpf's bpf_map_create_opts, as of libbpf 1.0
+    _fields_ = [
+        ("sz", ct.c_size_t),
+        ("btf_fd", ct.c_uint32),
+        ("btf_key_type_id", ct.c_uint32),
+        ("btf_value_type_id", ct.c_uint32),
+        ("btf_vmlinux_value_type_id", ct.c_uint32),
+        ("inner_map_fd", ct.c_uint32),
+        ("map_flags", ct.c_uint32),
+        ("map_extra", ct.c_uint64),
+        ("numa_node", ct.c_uint32),
+        ("map_ifindex", ct.c_uint32),
+    ]
+
+
+BPF_MAP_TYPE_HASH = 1
+BPF_F_NO_PREALLOC = 1
+
+
+@functools.cache
+def memlock_counts_entries() -> bool:
+    """Whether this kernel's `memlock` of a hash map grows with its entries (Linux 6.5
+    and later: bpf_map_memory_usage), found on a map of one entry made for the question."""
+    opts = _MapCreateOpts(sz=ct.sizeof(_MapCreateOpts), map_flags=BPF_F_NO_PREALLOC)
+    fd = _check(
+        _libbpf.bpf_map_create(BPF_MAP_TYPE_HASH, b"kpr_probe", 4, 4, 1, ct.byref(opts)),
+        "create a map",
+    )
+    try:
+        empty = memlock(fd)
+        key = value = ct.c_uint32(1)
+        _check(
+            _libbpf.bpf_map_update_elem(fd, ct.byref(key), ct.byref(value), BPF_ANY),
+            "write to a map",
+        )
+        return memlock(fd) > empty
+    finally:
+        os.close(fd)
 
 
 class _MapInfo(ct.Structure):

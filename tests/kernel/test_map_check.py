@@ -158,3 +158,15 @@ def test_a_map_put_back_behind_kprs_back_to_bytes_a_check_found_as_expected_is_f
     maps.maps["kpr_backends4"].update_packed(abi.ID.pack(2), before)
     maps.maps["kpr_slots"].update_packed(abi.SLOT_KEY.pack(7, 1), abi.ID.pack(1))
     assert sorted(maps.unverified() or []) == ["kpr_backends4", "kpr_slots"]
+
+
+def test_an_entry_added_behind_kprs_back_to_a_map_expected_empty_is_found(maps):
+    # (a hash map found empty is not read again while the kernel counts no entry in it)
+    assert maps.unverified() == []
+    assert maps.unverified() == []
+    services6 = maps.maps["kpr_services6"]
+    key = abi.FRONTEND6_KEY.pack(bytes(15) + b"\x01", 80, 6, 0)
+    services6.update_packed(key, bytes(services6.info.value_size))
+    assert maps.unverified() == ["kpr_services6"]
+    services6.delete_packed(key)  # (empty again: as expected)
+    assert maps.unverified() == []
