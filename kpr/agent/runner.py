@@ -55,6 +55,11 @@ class Stop(Protocol):
 BURST = 2  # syncs that may follow one another at once (kube-proxy's burstSyncs)
 
 
+# the longest wait for the source: threading's waits take no infinite timeout (before the
+# first state nothing is due)
+LONGEST_WAIT = 3600.0
+
+
 class SyncRunner:
     def __init__(
         self,
@@ -161,7 +166,7 @@ class SyncRunner:
                 self.record(kind, ran, self.clock())
             elif self.pending:
                 stop.wait(wait_s)
-            elif wait(max(0.0, min(wait_s, idle_in))):
+            elif wait(max(0.0, min(wait_s, idle_in, LONGEST_WAIT))):
                 self.request()
             else:
                 quiet = True

@@ -49,6 +49,7 @@ class Source:
         self.polled = -math.inf
 
     def wait(self, timeout: float) -> bool:
+        assert math.isfinite(timeout), timeout  # (threading.Event.wait overflows on inf)
         self.waits.append(timeout)
         now, until = self.clock.now, self.clock.now + timeout
         if any(self.cleared < t <= now for t in self.changes):
