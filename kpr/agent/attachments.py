@@ -27,6 +27,8 @@ class Attachments:
         self.devices = devices  # where the TC programs are (or go once attached)
         self.cgroup: Path | None = None  # the cgroup the hooks go on (the agent's start)
         self.attached = False
+        # the pinned programs' ids by hook, as last read (read again when pins are put back)
+        self.hook_ids: dict[str, int | None] | None = None
 
     def attach(self, previous: RunState | None) -> None:
         """Attach the programs to the cgroup and the devices, and take them off what a
@@ -79,11 +81,13 @@ class Attachments:
         many were put back."""
         if not self.attached or self.cgroup is None:
             return 0
-        restored = maps.repin() + loader.repin_programs(self.pin_dir, self.cgroup)
+        present = loader.pinned_names(self.pin_dir)  # (one read of the directory)
+        restored = maps.repin(present) + loader.repin_programs(self.pin_dir, self.cgroup, present)
         if self.devices.serve:
-            restored += tc.repin(self.pin_dir, self.devices.names)
+            restored += tc.repin(self.pin_dir, self.devices.names, present)
         if restored:
             log.warning("pins removed behind kpr's back, pinned again: %s", ", ".join(restored))
+            self.hook_ids = None
         return len(restored)
 
     def repair(self) -> int:
@@ -92,14 +96,16 @@ class Attachments:
         hooks and TC filters were attached again."""
         if self.cgroup is None or not self.attached:
             return 0
-        missing = [
-            h for h, ok in loader.attached_hooks(self.cgroup, self.pin_dir).items() if not ok
-        ]
+        if self.hook_ids is None:
+            self.hook_ids = loader.pinned_hook_ids(self.pin_dir)
+        attached = loader.attached_hooks(self.cgroup, self.pin_dir, self.hook_ids)
+        missing = [h for h, ok in attached.items() if not ok]
         if missing:
             log.warning(
                 "programs detached behind kpr's back: %s; attaching them again", ", ".join(missing)
             )
             loader.reattach(self.pin_dir, self.cgroup, missing)
+            self.hook_ids = None  # (a pin may have changed: read again next time)
         gone = []
         if self.devices.names:
             gone = [n for n, ok in tc.attached(self.devices.names, self.pin_dir).items() if not ok]

@@ -309,38 +309,61 @@ def reattach(pin_dir: Path, cgroup: Path, hooks: list[str]) -> None:
         os.close(cgroup_fd)
 
 
-def attached_hooks(cgroup: Path, pin_dir: Path) -> dict[str, bool]:
-    """For each hook: is the pinned program attached to `cgroup`?"""
-    out = {}
+def pinned_hook_ids(pin_dir: Path) -> dict[str, int | None]:
+    """For each hook (by pin name): the id of its pinned program (None: no pin)."""
+    out: dict[str, int | None] = {}
+    for hook in HOOKS:
+        try:
+            fd = bpfsys.obj_get(prog_pin(pin_dir, hook))
+        except OSError:
+            out[hook.pin] = None
+            continue
+        try:
+            out[hook.pin] = bpfsys.prog_info(fd).id
+        finally:
+            os.close(fd)
+    return out
+
+
+def attached_hooks(
+    cgroup: Path, pin_dir: Path, pinned: dict[str, int | None] | None = None
+) -> dict[str, bool]:
+    """For each hook: is the pinned program attached to `cgroup`? `pinned`: the pinned
+    programs' ids, when known (`pinned_hook_ids`)."""
+    ids = pinned_hook_ids(pin_dir) if pinned is None else pinned
     try:
         cgroup_fd = os.open(cgroup, os.O_RDONLY | os.O_DIRECTORY)
     except OSError:
         return {hook.pin: False for hook in HOOKS}
     try:
-        for hook in HOOKS:
-            pin = prog_pin(pin_dir, hook)
-            try:
-                fd = bpfsys.obj_get(pin)
-                pinned_id = bpfsys.prog_info(fd).id
-                os.close(fd)
-            except OSError:
-                out[hook.pin] = False
-                continue
-            out[hook.pin] = pinned_id in bpfsys.prog_query(cgroup_fd, hook.attach_type)
+        return {
+            hook.pin: ids.get(hook.pin) in bpfsys.prog_query(cgroup_fd, hook.attach_type)
+            for hook in HOOKS
+        }
     finally:
         os.close(cgroup_fd)
-    return out
 
 
-def repin_programs(pin_dir: Path, cgroup: Path) -> list[str]:
-    """Pin again the programs whose pins are gone, from what is attached to `cgroup`."""
+def pinned_names(pin_dir: Path) -> set[str]:
+    """The names in `pin_dir` (none if it is gone): which pins are there, in one read."""
+    try:
+        return set(os.listdir(pin_dir))
+    except FileNotFoundError:
+        return set()
+
+
+def repin_programs(pin_dir: Path, cgroup: Path, present: set[str] | None = None) -> list[str]:
+    """Pin again the programs whose pins are gone, from what is attached to `cgroup`.
+    `present`: the names in `pin_dir` (`pinned_names`), when just read."""
+    present = pinned_names(pin_dir) if present is None else present
+    missing = [hook for hook in HOOKS if prog_pin(pin_dir, hook).name not in present]
+    if not missing:  # (the rule: no query of what is attached)
+        return []
     restored = []
     cgroup_fd = os.open(cgroup, os.O_RDONLY | os.O_DIRECTORY)
     try:
-        for hook in HOOKS:
+        for hook in missing:
             pin = prog_pin(pin_dir, hook)
-            if pin.exists():  # (the rule: no query of what is attached)
-                continue
             attached = _kpr_programs(cgroup_fd, hook)
             if attached:
                 bpfsys.obj_pin(attached[-1][1], pin)  # the newest: attached last

@@ -598,14 +598,15 @@ class BpfMaps:
             m.close()
         os.close(self.sock_peer_fd)
 
-    def repin(self) -> list[str]:
-        """Pin again every map whose pin is gone (the maps live on: kpr holds them)."""
-        self.pin_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+    def repin(self, present: set[str]) -> list[str]:
+        """Pin again every map whose pin is gone (the maps live on: kpr holds them);
+        `present`: the names in the pin directory, just read."""
         fds = {spec.pin: self.maps[name].fd for name, spec in abi.MAPS.items() if name in self.maps}
         fds[abi.SOCK_PEER_PIN] = self.sock_peer_fd
         restored = []
         for pin, fd in fds.items():
-            if not (self.pin_dir / pin).exists():
+            if pin not in present:
+                self.pin_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
                 bpfsys.obj_pin(fd, self.pin_dir / pin)
                 restored.append(pin)
         return restored

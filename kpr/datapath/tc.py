@@ -234,9 +234,10 @@ def _runs(prog_id: int | None, filters: list[TcFilter]) -> bool:
     return bool(filters) if prog_id is None else any(f.prog_id == prog_id for f in filters)
 
 
-def repin(pin_dir: Path, devices: Iterable[str]) -> list[str]:
-    """Pin again the programs whose pins are gone, from kpr's filters on `devices`."""
-    missing = [d for d in DIRECTIONS if not prog_pin(pin_dir, d).exists()]
+def repin(pin_dir: Path, devices: Iterable[str], present: set[str]) -> list[str]:
+    """Pin again the programs whose pins are gone, from kpr's filters on `devices`;
+    `present`: the names in `pin_dir`, just read."""
+    missing = [d for d in DIRECTIONS if prog_pin(pin_dir, d).name not in present]
     if not missing:  # (the rule: no netlink dump of the devices' filters)
         return []
     restored = []
