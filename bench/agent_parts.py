@@ -99,21 +99,25 @@ def record_bytes() -> dict[str, int]:
     }
 
 
+def _list_page(items: list[dict]) -> bytes:
+    return orjson.dumps({"kind": "List", "metadata": {"resourceVersion": "1"}, "items": items})
+
+
 def parse_and_translate(services: int, repeats: int) -> dict[str, float]:
     """Microseconds a Service (with its slice) to read it as the agent does: from a list
     page into structs (kpr/sources/wire.py), or as watch events are read (each object
     decoded into dicts, then the validating parser); and to translate it."""
     base = IPv4Address("10.128.0.0")
-    pages = services_page, slices_page = tuple(
-        orjson.dumps({"kind": "List", "metadata": {"resourceVersion": "1"}, "items": items})
-        for items in (
-            [bench_service(f"s{i}", str(IPv4Address("10.96.0.0") + i)) for i in range(services)],
-            [
-                bench_endpoint_slice(f"s{i}", [str(base + i * 10 + j) for j in range(10)])
-                for i in range(services)
-            ],
-        )
+    services_page = _list_page(
+        [bench_service(f"s{i}", str(IPv4Address("10.96.0.0") + i)) for i in range(services)]
     )
+    slices_page = _list_page(
+        [
+            bench_endpoint_slice(f"s{i}", [str(base + i * 10 + j) for j in range(10)])
+            for i in range(services)
+        ]
+    )
+    pages = (services_page, slices_page)
     # each object's JSON on its own, as a watch event's line carries it
     events = [[orjson.dumps(o) for o in orjson.loads(p)["items"]] for p in pages]
     best = dict.fromkeys(("read from a list page", "read as watch events", "translate"), 1e9)

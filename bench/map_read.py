@@ -27,34 +27,12 @@ from kpr.datapath.digest import digest
 from kpr.datapath.expected import array_entries
 from kpr.node import host
 
-BPF_F_NO_PREALLOC = 1
-
-
-class _CreateOpts(ct.Structure):  # libbpf's struct bpf_map_create_opts, as far as used
-    _fields_ = [
-        ("sz", ct.c_size_t),
-        ("btf_fd", ct.c_uint32),
-        ("btf_key_type_id", ct.c_uint32),
-        ("btf_value_type_id", ct.c_uint32),
-        ("btf_vmlinux_value_type_id", ct.c_uint32),
-        ("inner_map_fd", ct.c_uint32),
-        ("map_flags", ct.c_uint32),
-        ("map_extra", ct.c_uint64),
-        ("numa_node", ct.c_uint32),
-        ("map_ifindex", ct.c_uint32),
-    ]
+BPF_F_NO_PREALLOC = bpfsys.BPF_F_NO_PREALLOC
 
 
 def create(map_type: int, entries: int, flags: int) -> bpfsys.PinnedMap:
     """An unpinned map of u32 keys and u64 values: gone when its descriptor closes."""
-    libbpf = bpfsys._libbpf
-    libbpf.bpf_map_create.argtypes = [
-        ct.c_int, ct.c_char_p, ct.c_uint32, ct.c_uint32, ct.c_uint32, ct.POINTER(_CreateOpts)
-    ]  # fmt: skip
-    opts = _CreateOpts(sz=ct.sizeof(_CreateOpts), map_flags=flags)
-    fd = libbpf.bpf_map_create(map_type, b"kpr_bench", 4, 8, entries, ct.byref(opts))
-    if fd < 0:
-        raise OSError(ct.get_errno(), f"bpf_map_create({map_type}, {entries}) failed")
+    fd = bpfsys.map_create(map_type, b"kpr_bench", 4, 8, entries, flags)
     return bpfsys.PinnedMap(fd, ct.c_uint32, ct.c_uint64, "kpr_bench")
 
 

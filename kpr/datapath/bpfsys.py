@@ -136,15 +136,22 @@ BPF_MAP_TYPE_HASH = 1
 BPF_F_NO_PREALLOC = 1
 
 
+def map_create(
+    map_type: int, name: bytes, key_size: int, value_size: int, entries: int, flags: int
+) -> int:
+    """A new map, unpinned (gone when its descriptor closes): its descriptor."""
+    opts = _MapCreateOpts(sz=ct.sizeof(_MapCreateOpts), map_flags=flags)
+    return _check(
+        _libbpf.bpf_map_create(map_type, name, key_size, value_size, entries, ct.byref(opts)),
+        f"create a map of type {map_type} and {entries} entries",
+    )
+
+
 @functools.cache
 def memlock_counts_entries() -> bool:
     """Whether this kernel's `memlock` of a hash map grows with its entries (Linux 6.5
     and later: bpf_map_memory_usage), found on a map of one entry made for the question."""
-    opts = _MapCreateOpts(sz=ct.sizeof(_MapCreateOpts), map_flags=BPF_F_NO_PREALLOC)
-    fd = _check(
-        _libbpf.bpf_map_create(BPF_MAP_TYPE_HASH, b"kpr_probe", 4, 4, 1, ct.byref(opts)),
-        "create a map",
-    )
+    fd = map_create(BPF_MAP_TYPE_HASH, b"kpr_probe", 4, 4, 1, BPF_F_NO_PREALLOC)
     try:
         empty = memlock(fd)
         key = value = ct.c_uint32(1)

@@ -181,12 +181,15 @@ def _metadata(obj: dict[str, Any], kind: str) -> tuple[ObjectRef, Mapping[str, s
     )
     ref = ObjectRef(kind, namespace, name)
     labels = _mapping(metadata.get("labels"), ref, "metadata.labels")
-    kept: dict[str, str] = {}
     for key, value in labels.items():
-        text = _string(value, ref, f"metadata.labels[{key}]")  # each one validated
-        if key in KEPT_LABELS:
-            kept[key] = text
-    return ref, kept or NO_LABELS
+        _string(value, ref, f"metadata.labels[{key}]")  # each one validated
+    return ref, kept_labels(labels)
+
+
+def kept_labels(labels: Mapping[str, str]) -> Mapping[str, str]:
+    """The labels kpr reads (KEPT_LABELS) of valid `labels`: one shared empty mapping
+    for the many objects without them."""
+    return {k: labels[k] for k in KEPT_LABELS if k in labels} or NO_LABELS
 
 
 # --- Service -------------------------------------------------------------------------

@@ -34,7 +34,6 @@ from kpr.model import (
 from kpr.sources.objects import (
     ADDRESS_TYPES,
     DEFAULT_AFFINITY_TIMEOUT,
-    KEPT_LABELS,
     NO_LABELS,
     SERVICE_NAME_LABEL,
     SERVICE_PROTOCOLS,
@@ -42,6 +41,7 @@ from kpr.sources.objects import (
     SESSION_AFFINITIES,
     TRAFFIC_POLICIES,
     TRIGGER_TIME_ANNOTATION,
+    kept_labels,
     packed_ip,
     parse_endpoint_slice,
     parse_service,
@@ -145,7 +145,7 @@ _CONDITIONS = {
     )
     for ready, serving, terminating in product((True, False, None), repeat=3)
 }
-_FAMILIES = {"IPv4": (socket.AF_INET, 4, b""), "IPv6": (socket.AF_INET6, 17, b"\x01")}
+_ADDRESS_TYPES = {"IPv4": (socket.AF_INET, 4, b""), "IPv6": (socket.AF_INET6, 17, b"\x01")}
 
 
 def decode_service_page(data: bytes) -> tuple[dict[str, Any], list[Any]]:
@@ -213,7 +213,7 @@ def _common_metadata(metadata: _Metadata | None) -> tuple[str, str, Any] | None:
     if labels is not None:
         if type(labels) is not dict or any(type(v) is not str for v in labels.values()):
             return None
-        kept = {k: labels[k] for k in KEPT_LABELS if k in labels} or NO_LABELS
+        kept = kept_labels(labels)
     return sys.intern(namespace or "default"), metadata.name, kept
 
 
@@ -273,20 +273,28 @@ def _no_extras(spec: _ServiceSpec, status: Any) -> bool:
     return balancer is None or (type(balancer) is dict and balancer.get("ingress") in (None, []))
 
 
+def _common_port(port: Any) -> tuple[str, str] | None:
+    """(name, protocol) of a Service's or a slice's port whose protocol is valid, as
+    the shared strings; None: not valid (the other path's error)."""
+    protocol = "TCP" if port.protocol is None else port.protocol
+    if protocol not in SERVICE_PROTOCOLS:
+        return None
+    name = sys.intern(port.name) if port.name else ""
+    return name, SERVICE_PROTOCOLS[SERVICE_PROTOCOLS.index(protocol)]
+
+
+def _in_range(number: int | None) -> bool:
+    return number is None or 1 <= number <= 65535
+
+
 def _common_service_ports(ports: Any) -> tuple[ServicePort, ...] | None:
     out = []
     for port in ports:
         number, node_port = port.port, port.node_port
-        protocol = "TCP" if port.protocol is None else port.protocol
-        if (
-            number is None
-            or not 1 <= number <= 65535
-            or (node_port is not None and not 1 <= node_port <= 65535)
-            or protocol not in SERVICE_PROTOCOLS
-        ):
+        common = _common_port(port)
+        if number is None or not _in_range(number) or not _in_range(node_port) or not common:
             return None
-        name = sys.intern(port.name) if port.name else ""
-        protocol = SERVICE_PROTOCOLS[SERVICE_PROTOCOLS.index(protocol)]
+        name, protocol = common
         out.append(ServicePort(name=name, protocol=protocol, port=number, node_port=node_port))
     # names and port/protocol pairs unique (else the other path's error)
     if len({p.name for p in out}) < len(out) or len({(p.port, p.protocol) for p in out}) < len(out):
@@ -315,7 +323,7 @@ def _common_slice(item: _EndpointSlice) -> EndpointSlice | None:
     named = _common_metadata(item.metadata)
     if named is None:
         return None
-    family = _FAMILIES.get(item.address_type)  # (not FQDN: rare, left to the other path)
+    family = _ADDRESS_TYPES.get(item.address_type)  # (not FQDN: rare, left to the other path)
     ports = _common_ports(item.ports or ())
     if family is None or ports is None:
         return None
@@ -340,12 +348,10 @@ def _common_slice(item: _EndpointSlice) -> EndpointSlice | None:
 def _common_ports(ports: Any) -> tuple[EndpointPort, ...] | None:
     out = []
     for port in ports:
-        number = port.port
-        protocol = "TCP" if port.protocol is None else port.protocol
-        if (number is not None and not 1 <= number <= 65535) or protocol not in SERVICE_PROTOCOLS:
+        number, common = port.port, _common_port(port)
+        if not _in_range(number) or not common:
             return None
-        name = sys.intern(port.name) if port.name else ""
-        protocol = SERVICE_PROTOCOLS[SERVICE_PROTOCOLS.index(protocol)]
+        name, protocol = common
         out.append(EndpointPort(name=name, protocol=protocol, port=number))
     return tuple(out)
 

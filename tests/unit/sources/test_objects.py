@@ -659,3 +659,10 @@ def test_addresses_are_read_as_the_ipaddress_module_reads_them(text: str) -> Non
         assert error_of(parse_service, service).field == "spec.clusterIP"
     else:
         assert parse_service(service).cluster_ips == (expected,)
+
+
+@pytest.mark.parametrize("decode", [decode_service_page, decode_slice_page])
+def test_a_list_page_cut_short_is_an_error_not_a_list_of_nothing(decode):
+    # (the watcher lists again; an empty list would take every Service off the maps)
+    with pytest.raises(ValueError):
+        decode(b'{"kind":"List","metadata":{"resourceVersion":"7"},"items":[{"metadata":')
