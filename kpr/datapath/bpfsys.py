@@ -72,6 +72,7 @@ _libbpf.bpf_map_create.argtypes = [
 _libbpf.bpf_enable_stats.argtypes = [ct.c_int]
 
 BPF_ANY = 0
+BATCH = 8192  # entries a batch read asks for
 BPF_F_ALLOW_MULTI = 2
 
 
@@ -275,6 +276,7 @@ class PinnedMap:
         self.value_type = value_type
         self.name = name
         self.info = map_info(fd)
+        self._buffers: tuple[ct.Array, ct.Array] | None = None  # (keys, values) of a batch
 
     @classmethod
     def open(cls, path: Path, key_type, value_type) -> PinnedMap:
@@ -295,33 +297,51 @@ class PinnedMap:
             _check(ret, f"look up in {self.name}")
         return value
 
-    def dump(self, chunk: int = 8192) -> Iterator[tuple[bytes, bytes, int]]:
+    def dump(self, chunk: int = BATCH) -> Iterator[tuple[bytes, bytes, int]]:
         """Every entry, as (packed keys, packed values, count) chunks: one syscall per
         chunk instead of two syscalls per entry."""
+        for keys, values, count in self.batches(chunk):
+            yield bytes(keys), bytes(values), count
+
+    def batches(self, chunk: int = BATCH) -> Iterator[tuple[memoryview, memoryview, int]]:
+        """`dump`'s chunks as views of this map's own buffers, valid until the next
+        chunk: nothing copied, and the same memory at every full sync (a buffer of
+        fresh pages each time costs their page faults, many times slower after a pause)."""
         key_size, value_size = self.info.key_size, self.info.value_size
-        keys = ct.create_string_buffer(key_size * chunk)
-        values = ct.create_string_buffer(value_size * chunk)
+        if self._buffers is None or len(self._buffers[0]) < key_size * chunk:
+            self._buffers = (
+                ct.create_string_buffer(key_size * chunk),
+                ct.create_string_buffer(value_size * chunk),
+            )
+        keys, values = self._buffers
         token_in = ct.create_string_buffer(max(8, key_size))
         token_out = ct.create_string_buffer(max(8, key_size))
         first = True
-        while True:
-            count = ct.c_uint32(chunk)
-            ret = _libbpf.bpf_map_lookup_batch(
-                self.fd, None if first else token_in, token_out, keys, values, ct.byref(count), None
-            )
-            code = 0 if ret >= 0 else (-ret if ret != -1 else ct.get_errno())
-            if code not in (0, errno.ENOENT):
-                _check(ret, f"read {self.name}")
-            if count.value:
-                yield (
-                    keys.raw[: key_size * count.value],
-                    values.raw[: value_size * count.value],
-                    count.value,
+        with memoryview(keys) as all_keys, memoryview(values) as all_values:
+            while True:
+                count = ct.c_uint32(chunk)
+                ret = _libbpf.bpf_map_lookup_batch(
+                    self.fd,
+                    None if first else token_in,
+                    token_out,
+                    keys,
+                    values,
+                    ct.byref(count),
+                    None,
                 )
-            if code == errno.ENOENT:
-                return
-            ct.memmove(token_in, token_out, len(token_out))
-            first = False
+                code = 0 if ret >= 0 else (-ret if ret != -1 else ct.get_errno())
+                if code not in (0, errno.ENOENT):
+                    _check(ret, f"read {self.name}")
+                if count.value:
+                    with (
+                        all_keys[: key_size * count.value] as batch_keys,
+                        all_values[: value_size * count.value] as batch_values,
+                    ):
+                        yield batch_keys, batch_values, count.value
+                if code == errno.ENOENT:
+                    return
+                ct.memmove(token_in, token_out, len(token_out))
+                first = False
 
     def all_keys(self) -> Iterator:
         """Every key, one syscall each: for map types without batch lookups (LPM trie)."""

@@ -112,7 +112,7 @@ class Expected:
             with pinned.mapped() as mapping:
                 return xxhash.xxh3_64_intdigest(mapping)
         fingerprint = xxhash.xxh3_64()
-        for keys, values, _ in pinned.dump():
+        for keys, values, _ in pinned.batches():  # (nothing copied)
             if interrupted():
                 return None
             fingerprint.update(keys)
