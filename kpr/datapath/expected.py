@@ -18,7 +18,8 @@ not mmapable, which no kpr build makes, would be read in batches like a hash map
 Most checks find a map as the last one did: the same bytes, read in the same order (a
 hash map's bucket order changes only with its content). A check first takes a fingerprint
 of the bytes as read (xxh3, at memory speed); the same fingerprint against the same
-expected digest is the same answer, and the digest, which costs 3-4x more, is not taken.
+expected digest is the same answer, and the digest (numpy passes over each entry's words)
+is not taken.
 A hash map expected empty (the IPv6 maps of an IPv4 cluster) is not read at all while the
 kernel's count of its entries says it still holds none: reading it walks every bucket (a
 million, 16 MB, for kpr_backends6 at the default size) to find nothing. The count is the
