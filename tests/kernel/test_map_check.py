@@ -11,7 +11,7 @@ import pytest
 
 from kpr.agent import programmer as programmer_module
 from kpr.agent.programmer import Programmer
-from kpr.datapath import abi, loader
+from kpr.datapath import abi, bpfsys, loader
 from kpr.datapath.digest import combine, digest
 from kpr.datapath.expected import array_entries
 from kpr.datapath.maps import BpfMaps
@@ -170,3 +170,15 @@ def test_an_entry_added_behind_kprs_back_to_a_map_expected_empty_is_found(maps):
     assert maps.unverified() == ["kpr_services6"]
     services6.delete_packed(key)  # (empty again: as expected)
     assert maps.unverified() == []
+
+
+def test_on_a_kernel_whose_memlock_counts_no_entries_an_empty_map_is_read(maps, monkeypatch):
+    # (before Linux 6.5 memlock does not grow with the entries: the check walks the map)
+    monkeypatch.setattr(bpfsys, "memlock_counts_entries", lambda: False)
+    monkeypatch.setattr(bpfsys, "memlock", lambda fd: 1 << 20)  # (fixed, as there)
+    assert maps.unverified() == []
+    assert maps.unverified() == []
+    services6 = maps.maps["kpr_services6"]
+    key = abi.FRONTEND6_KEY.pack(bytes(15) + b"\x01", 80, 6, 0)
+    services6.update_packed(key, bytes(services6.info.value_size))
+    assert maps.unverified() == ["kpr_services6"]
